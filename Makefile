@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.py
+RUN_NAME ?= default
+export XLA_PYTHON_CLIENT_PREALLOCATE := false
+
+.PHONY: run test test-fast lint format clean venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python experiments/train.py --config=$(CONFIG) --workdir=runs/$(RUN_NAME)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check specdraft configs experiments tests
+	$(BIN)/ruff format --check specdraft configs experiments tests
+
+format: $(STAMP)
+	$(BIN)/ruff format specdraft configs experiments tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,62 @@
+"""Default specdraft config: tiny policy, generated arithmetic task, CPU.
+
+Run:  python experiments/train.py --config=configs/default.py --workdir=runs/default
+Variants: --config=configs/default.py:task=countdown,layout=dp8,smoke
+Fields:   --config.sft.steps=500 --config.model.n_layers=6
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from specdraft.config import layout_config, parse_arg
+
+SIZES = {
+  # name: (d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff)
+  "micro": (32, 4, 2, 1, 16, 64),
+  "tiny": (128, 4, 4, 2, 32, 384),
+  "small": (256, 8, 8, 2, 32, 768),
+  "base": (512, 12, 8, 4, 64, 1536),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, size="tiny", task="arithmetic", layout="single", smoke=False, seed=0)
+  if arg.size not in SIZES:
+    raise ValueError(f"config arg size={arg.size!r} is unknown; expected one of {sorted(SIZES)}")
+  c = ml_collections.ConfigDict()
+  c.seed = arg.seed
+
+  E, L, H, K, D, F = SIZES["micro" if arg.smoke else arg.size]
+  c.model = ml_collections.ConfigDict(dict(
+    d_model=E, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=D, d_ff=F, rope_theta=10000.0,
+    norm_eps=1e-6, tie_embeddings=True, init_std=0.02, dtype="float32"))
+  c.model.tap_layers = ml_collections.FieldReference(None, field_type=tuple)
+
+  c.task = ml_collections.ConfigDict(dict(
+    name=arg.task, seed=1234, num_train=20000, num_test=256,
+    arithmetic=dict(min_digits=1, max_digits=3, num_operands=2, scratchpad=True),
+    countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
+    jsonl=dict(path="")))
+
+  c.data = ml_collections.ConfigDict(dict(
+    data_dir="runs/tfds", batch_size=32, seq_len=64, packing=True, shuffle_seed=0))
+
+  c.sft = ml_collections.ConfigDict(dict(
+    steps=1200, lr=3e-3, warmup_steps=50, weight_decay=0.01, grad_clip=1.0, b2=0.98,
+    log_every=20))
+
+  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0))
+  c.eval = ml_collections.ConfigDict(dict(every=400, num_examples=256, batch_size=64))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
+  c.parallel = layout_config(arg.layout)
+
+  if arg.smoke:
+    c.task.num_train, c.task.num_test = 512, 32
+    c.task.arithmetic.max_digits = 2
+    c.data.batch_size = 8
+    c.sft.steps, c.sft.log_every, c.sft.warmup_steps = 12, 4, 2
+    c.eval.every, c.eval.num_examples, c.eval.batch_size = 6, 16, 8
+    c.checkpoint.every = 6
+    c.decode.max_new_tokens = 24
+  return c

@@ -1,0 +1,51 @@
+"""Public entry point for trunk + branch attention, with input checks before anything compiles."""
+
+from __future__ import annotations
+
+from specdraft.attention import reference
+
+IMPLS = ("dense",)
+BRANCHES = ("ttt", "block")
+
+
+def check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch):
+  """Raises ValueError naming the offending argument when shapes or options do not fit."""
+  if branch not in BRANCHES:
+    raise ValueError(f"branch={branch!r} is not valid; expected one of {BRANCHES}")
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B,S,H,D], got shape {q.shape}")
+  B, S, H, D = q.shape
+  if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != (B, S) or k.shape[3] != D:
+    raise ValueError(f"k and v must be [B,S,K,D]=[{B},{S},K,{D}], got k{k.shape} v{v.shape}")
+  K = k.shape[2]
+  if H % K:
+    raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA)")
+  if q_br.ndim != 5 or q_br.shape[:2] != (B, S) or q_br.shape[3:] != (H, D):
+    raise ValueError(f"q_br must be [B,S,W,H,D]=[{B},{S},W,{H},{D}], got {q_br.shape}")
+  W = q_br.shape[2]
+  want = (B, S, W, K, D)
+  if k_br.shape != want or v_br.shape != want:
+    raise ValueError(f"k_br and v_br must be [B,S,W,K,D]={want}, got k_br{k_br.shape} "
+                     f"v_br{v_br.shape}")
+  if segment_ids.shape != (B, S):
+    raise ValueError(f"segment_ids must be [B,S]=[{B},{S}], got {segment_ids.shape}")
+
+
+def branch_attention(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="dense", mesh=None,
+                     cp_axis="cp"):
+  """Trunk + branch attention (DESIGN.md "Branch attention").
+
+  Args (natural token order): q [B,S,H,D]; k, v [B,S,K,D]; q_br [B,S,W,H,D];
+    k_br, v_br [B,S,W,K,D]; segment_ids [B,S] int32 (0 = padding).
+    branch: "ttt" (EAGLE-3 training-time test) or "block" (DFlash / DSpark).
+    impl: "dense" (the float32 oracle).
+    mesh, cp_axis: the mesh and its context-parallel axis, for the sharded implementations.
+  Returns (out [B,S,H,D], out_br [B,S,W,H,D]) in q's dtype.
+  """
+  check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch)
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not available; expected one of {IMPLS}")
+  del mesh, cp_axis  # used by the context-parallel implementations
+  out, out_br, _, _ = reference.branch_attention_dense(q, k, v, q_br, k_br, v_br, segment_ids,
+                                                       branch=branch)
+  return out.astype(q.dtype), out_br.astype(q_br.dtype)

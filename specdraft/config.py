@@ -1,0 +1,102 @@
+"""Config helpers: `:arg` parsing and validation that runs before anything compiles."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from specdraft.parallel import layouts
+from specdraft.parallel.mesh import check_mesh
+from specdraft.tasks import TASKS, CharTokenizer, make_task
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """Parses 'size=tiny,layout=dp8,smoke' into a ConfigDict over `defaults`.
+
+  A bare word sets a boolean flag; values are cast to the default's type.
+  """
+  out = ml_collections.ConfigDict(dict(defaults))
+  for part in filter(None, (arg or "").split(",")):
+    key, eq, val = part.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"config arg {key!r} is unknown; valid args: {sorted(defaults)}")
+    if not eq:
+      out[key] = True
+      continue
+    d = defaults[key]
+    if isinstance(d, bool):
+      out[key] = val.lower() in ("1", "true", "yes")
+    elif isinstance(d, int):
+      out[key] = int(val)
+    elif isinstance(d, float):
+      out[key] = float(val)
+    else:
+      out[key] = val
+  return out
+
+
+def layout_config(name: str) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(layouts.layout(name))
+
+
+def _fail(field, value, valid):
+  raise ValueError(f"config.{field}={value!r} is invalid: {valid}")
+
+
+def validate(config, *, num_devices: int | None = None) -> None:
+  """Checks every knob the run depends on; raises ValueError naming the field."""
+  m = config.model
+  for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+    if int(m[f]) < 1:
+      _fail(f"model.{f}", m[f], "must be >= 1")
+  if m.n_heads % m.n_kv_heads:
+    _fail("model.n_kv_heads", m.n_kv_heads,
+          f"model.n_heads={m.n_heads} must be a multiple of it (GQA)")
+  if m.head_dim % 2:
+    _fail("model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
+  if m.dtype not in ("float32", "bfloat16"):
+    _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
+  if m.tap_layers is not None:
+    taps = tuple(m.tap_layers)
+    if not taps or any(not 0 <= int(t) < m.n_layers for t in taps):
+      _fail("model.tap_layers", taps, f"each tap layer must be in [0, {m.n_layers}) "
+            f"(model.n_layers={m.n_layers})")
+    if len(set(taps)) != len(taps):
+      _fail("model.tap_layers", taps, "tap layers must be distinct")
+
+  t = config.task
+  if t.name not in TASKS:
+    _fail("task.name", t.name, f"expected one of {TASKS}")
+  task = make_task(t)  # difficulty knobs are checked by the task itself
+  if t.num_train < 1 or t.num_test < 1:
+    _fail("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
+
+  d = config.data
+  if d.batch_size < 1:
+    _fail("data.batch_size", d.batch_size, "must be >= 1")
+  need = task.max_length() + 2  # BOS and EOS
+  if d.seq_len < need:
+    _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
+
+  dec = config.decode
+  if dec.temperature < 0:
+    _fail("decode.temperature", dec.temperature, "must be >= 0 (0 = greedy)")
+  if dec.max_new_tokens < 1:
+    _fail("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
+
+  s = config.sft
+  if s.steps < 0 or s.lr <= 0:
+    _fail("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
+
+  p = config.parallel
+  if p.name not in layouts.LAYOUTS and p.name != "custom":
+    _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
+  check_mesh(p, num_devices)
+  dp = int(p.mesh.data) * int(p.mesh.fsdp)
+  if d.batch_size % dp:
+    _fail("data.batch_size", d.batch_size, f"must be divisible by data*fsdp={dp} "
+          f"(parallel.layout={p.name!r})")
+  if config.eval.batch_size % dp:
+    _fail("eval.batch_size", config.eval.batch_size, f"must be divisible by data*fsdp={dp}")
+  if CharTokenizer().vocab_size < 4:
+    raise AssertionError("tokenizer vocabulary is broken")

@@ -1,0 +1,1 @@
+"""Decoding: autoregressive generation (speculative decoding joins in a later issue)."""

@@ -1,0 +1,1 @@
+"""Models: the policy LM (drafts join in later issues)."""

@@ -1,0 +1,322 @@
+"""Decoder-only policy LM (Llama / Qwen family) with taps and a KV cache.
+
+Flax NNX defines and initialises the parameters; everything that runs under jit works on the
+plain parameter pytree (`split_params`), through pure functions. Decoder layers are stacked
+along a leading layer axis: `run_layers` runs any contiguous slice of them with `lax.scan`
+(a pipeline stage is such a slice).
+
+Shape letters: B batch, S sequence, T new tokens, E model width, H query heads, K kv heads,
+D head dim, F MLP width, V vocabulary, L layers, N taps, C cache capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specdraft.attention import reference
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  vocab_size: int
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 384
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  tap_layers: tuple[int, ...] | None = None
+  init_std: float = 0.02
+  dtype: str = "float32"
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    """Tap layers (0-indexed layer outputs); EAGLE-3's default (1, L//2-1, L-4)."""
+    if self.tap_layers is not None:
+      return tuple(int(t) for t in self.tap_layers)
+    return default_tap_layers(self.n_layers)
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @classmethod
+  def from_config(cls, model_cfg, vocab_size: int) -> PolicyConfig:
+    fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size"}
+    kw = {k: model_cfg[k] for k in fields if k in model_cfg}
+    if kw.get("tap_layers") is not None:
+      kw["tap_layers"] = tuple(kw["tap_layers"])
+    return cls(vocab_size=vocab_size, **kw)
+
+
+def default_tap_layers(n_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's tap layers; for very shallow models they are clamped into range and deduplicated."""
+  raw = (1, n_layers // 2 - 1, n_layers - 4)
+  return tuple(sorted({min(max(t, 0), n_layers - 1) for t in raw}))
+
+
+class StackedLayers(nnx.Module):
+  """All decoder layers' weights, stacked on a leading layer axis."""
+
+  def __init__(self, cfg: PolicyConfig, *, rngs: nnx.Rngs):
+    L, E, H, K, D, F = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                        cfg.d_ff)
+    normal = nnx.initializers.normal(cfg.init_std)
+    out_std = cfg.init_std / (2 * L) ** 0.5  # residual-branch outputs scaled down with depth
+    self.attn_norm = nnx.Param(jnp.ones((L, E)))
+    self.wq = nnx.Param(normal(rngs.params(), (L, E, H, D)))
+    self.wk = nnx.Param(normal(rngs.params(), (L, E, K, D)))
+    self.wv = nnx.Param(normal(rngs.params(), (L, E, K, D)))
+    self.wo = nnx.Param(nnx.initializers.normal(out_std)(rngs.params(), (L, H, D, E)))
+    self.mlp_norm = nnx.Param(jnp.ones((L, E)))
+    self.w_gate = nnx.Param(normal(rngs.params(), (L, E, F)))
+    self.w_up = nnx.Param(normal(rngs.params(), (L, E, F)))
+    self.w_down = nnx.Param(nnx.initializers.normal(out_std)(rngs.params(), (L, F, E)))
+
+
+class Policy(nnx.Module):
+  """Parameter container; `__call__` is a convenience for notebooks (jit uses `forward`)."""
+
+  def __init__(self, cfg: PolicyConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    # std 1/sqrt(E) keeps tied-head logits O(1) at init.
+    self.embed = nnx.Param(nnx.initializers.normal(cfg.d_model**-0.5)(
+      rngs.params(), (cfg.vocab_size, cfg.d_model)))
+    self.layers = StackedLayers(cfg, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)))
+    if not cfg.tie_embeddings:
+      self.head = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(),
+                                                                   (cfg.d_model, cfg.vocab_size)))
+
+  def __call__(self, tokens, positions=None, segment_ids=None):
+    return forward(split_params(self), self.cfg, tokens, positions, segment_ids)
+
+
+def split_params(model: nnx.Module) -> Params:
+  """The model's parameters as a plain nested dict of arrays (the jit-boundary pytree)."""
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def init_params(cfg: PolicyConfig, seed: int) -> Params:
+  return split_params(Policy(cfg, rngs=nnx.Rngs(seed)))
+
+
+def param_logical_axes(params: Params) -> Params:
+  """Logical axis names of every policy parameter (mapped onto the mesh by layout rules)."""
+  names = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "head": ("embed", "vocab"),
+    "attn_norm": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+  }
+  return jax.tree_util.tree_map_with_path(lambda p, _: names[p[-1].key], params)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def rms_norm(x, scale, eps):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD, positions_BT, theta):
+  """Rotary embedding (half-split convention) at caller-supplied positions."""
+  D = x_BTHD.shape[-1]
+  freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
+  ang = positions_BT.astype(jnp.float32)[..., None] * freqs  # [B,T,D/2]
+  sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]
+  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHD.dtype)
+
+
+def qkv(lp, x_BTE, positions_BT, cfg: PolicyConfig):
+  """One layer's projected, RoPE-rotated q, k and v (drafts reuse this)."""
+  dt = cfg.compute_dtype
+  h = rms_norm(x_BTE, lp["attn_norm"], cfg.norm_eps)
+  q = jnp.einsum("bte,ehd->bthd", h, lp["wq"].astype(dt))
+  k = jnp.einsum("bte,ekd->btkd", h, lp["wk"].astype(dt))
+  v = jnp.einsum("bte,ekd->btkd", h, lp["wv"].astype(dt))
+  return rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta), v
+
+
+def attn_out_and_mlp(lp, x_BTE, o_BTHD, cfg: PolicyConfig):
+  """Residual attention output projection followed by the residual SwiGLU MLP."""
+  dt = cfg.compute_dtype
+  x = x_BTE + jnp.einsum("bthd,hde->bte", o_BTHD.astype(dt), lp["wo"].astype(dt))
+  h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+  g = jnp.einsum("bte,ef->btf", h, lp["w_gate"].astype(dt))
+  u = jnp.einsum("bte,ef->btf", h, lp["w_up"].astype(dt))
+  return x + jnp.einsum("btf,fe->bte", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
+
+
+class KVCache(NamedTuple):
+  """Fixed-capacity cache. Entries at index >= lengths[b] are stale and never attended to."""
+
+  k: jax.Array  # [L,B,C,K,D]
+  v: jax.Array  # [L,B,C,K,D]
+  lengths: jax.Array  # [B] int32
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(cfg: PolicyConfig, batch: int, capacity: int) -> KVCache:
+  shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+  z = jnp.zeros(shape, cfg.compute_dtype)
+  return KVCache(z, z, jnp.zeros((batch,), jnp.int32))
+
+
+def _write_rows(cache_BCKD, new_BTKD, start_B):
+  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
+    cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), start_B)
+
+
+# ----------------------------------------------------------------------------- layer stacks
+
+
+def slice_layers(layers: Params, start: int, stop: int) -> Params:
+  return jax.tree.map(lambda a: a[start:stop], layers)
+
+
+def run_layers(layers: Params, x_BTE, cfg: PolicyConfig, *, positions_BT, segment_ids_BT=None,
+               cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+               tap_at: tuple[int, ...] = ()):
+  """Runs a contiguous stack of layers (leading axis of `layers`) with `lax.scan`.
+
+  Without a cache: packed causal attention by (positions, segment ids).
+  With `cache = (k_LBCKD, v_LBCKD, lengths_B)`: the T new tokens are written at
+  lengths..lengths+T-1 and attend to cache entries j <= lengths + i.
+  `tap_at` are local layer indices whose outputs are returned. The scan is split at those layers
+  so no per-layer hidden states are kept beyond the taps.
+  Returns (x, taps_NBTE or None, (new_k, new_v) or None).
+  """
+  n = jax.tree.leaves(layers)[0].shape[0]
+  if any(not 0 <= t < n for t in tap_at):
+    raise ValueError(f"tap_at {tap_at} out of range for a stack of {n} layers")
+  if cache is None:
+    mask_BTS = reference.causal_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
+  else:
+    _, _, lengths = cache
+    C = cache[0].shape[2]
+    T = x_BTE.shape[1]
+    q_idx = lengths[:, None] + jnp.arange(T)[None, :]
+    mask_BTS = jnp.arange(C)[None, None, :] <= q_idx[:, :, None]
+
+  def body(x, xs):
+    if cache is None:
+      lp = xs
+    else:
+      lp, ck, cv = xs
+    q, k, v = qkv(lp, x, positions_BT, cfg)
+    if cache is not None:
+      ck = _write_rows(ck, k, cache[2])
+      cv = _write_rows(cv, v, cache[2])
+      k, v = ck, cv
+    o, _ = reference.masked_attention(q, k, v, mask_BTS)
+    x = attn_out_and_mlp(lp, x, o, cfg)
+    return x, (None if cache is None else (ck, cv))
+
+  bounds = sorted(set(t + 1 for t in tap_at) | {n})
+  x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
+  for stop in bounds:
+    seg_layers = slice_layers(layers, start, stop)
+    xs = seg_layers if cache is None else (seg_layers, cache[0][start:stop], cache[1][start:stop])
+    x, kv = jax.lax.scan(body, x, xs)
+    if cache is not None:
+      new_k.append(kv[0])
+      new_v.append(kv[1])
+    if stop - 1 in tap_at:
+      taps.append(x)
+    start = stop
+  taps_out = jnp.stack(taps) if taps else None
+  kv_out = None if cache is None else (jnp.concatenate(new_k), jnp.concatenate(new_v))
+  return x, taps_out, kv_out
+
+
+def embed(params: Params, tokens_BT, cfg: PolicyConfig):
+  return jnp.take(params["embed"], tokens_BT, axis=0).astype(cfg.compute_dtype)
+
+
+def head(params: Params, x_BTE, cfg: PolicyConfig):
+  """Final norm and LM head; returns (normed hidden, float32 logits)."""
+  h = rms_norm(x_BTE, params["final_norm"], cfg.norm_eps)
+  w = params["embed"].T if cfg.tie_embeddings else params["head"]
+  return h, jnp.einsum("bte,ev->btv", h, w.astype(h.dtype)).astype(jnp.float32)
+
+
+class Taps(NamedTuple):
+  """Tapped features: the outputs of the tap layers and the final (normed) hidden state."""
+
+  layers: jax.Array  # [N,B,S,E]
+  final: jax.Array  # [B,S,E]
+
+
+def forward(params: Params, cfg: PolicyConfig, tokens_BS, positions_BS=None, segment_ids_BS=None,
+            *, stop_tap_gradient: bool = True):
+  """Full-sequence forward over packed rows. Returns (logits_BSV float32, Taps).
+
+  Taps are `stop_gradient`-ed before they leave the policy unless `stop_tap_gradient=False`
+  (only for the negative-control tests).
+  """
+  B, S = tokens_BS.shape
+  if positions_BS is None:
+    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if segment_ids_BS is None:
+    segment_ids_BS = jnp.ones((B, S), jnp.int32)
+  x = embed(params, tokens_BS, cfg)
+  x, taps, _ = run_layers(params["layers"], x, cfg, positions_BT=positions_BS,
+                          segment_ids_BT=segment_ids_BS, tap_at=cfg.taps)
+  h, logits = head(params, x, cfg)
+  out = Taps(taps, h)
+  if stop_tap_gradient:
+    out = jax.lax.stop_gradient(out)
+  return logits, out
+
+
+def decode(params: Params, cfg: PolicyConfig, cache: KVCache, tokens_BT):
+  """Feeds T new tokens per row at positions lengths..lengths+T-1 of the cache.
+
+  Returns (logits_BTV float32, Taps over the T tokens, cache with lengths advanced by T).
+  A caller that accepts fewer tokens rolls back by setting `lengths` (stale entries are
+  masked by position and overwritten later).
+  """
+  T = tokens_BT.shape[1]
+  positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  x = embed(params, tokens_BT, cfg)
+  x, taps, (k, v) = run_layers(params["layers"], x, cfg, positions_BT=positions,
+                               cache=(cache.k, cache.v, cache.lengths), tap_at=cfg.taps)
+  h, logits = head(params, x, cfg)
+  return logits, jax.lax.stop_gradient(Taps(taps, h)), KVCache(k, v, cache.lengths + T)
+
+
+def prefill(params: Params, cfg: PolicyConfig, cache: KVCache, prompt_BP, prompt_lengths_B):
+  """Writes right-padded prompts into an empty cache.
+
+  Returns (logits_BPV, Taps, cache) with `cache.lengths = prompt_lengths`; the next-token
+  distribution of row b is `logits[b, prompt_lengths[b] - 1]`.
+  """
+  cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
+  logits, taps, cache = decode(params, cfg, cache, prompt_BP)
+  return logits, taps, cache._replace(lengths=prompt_lengths_B.astype(jnp.int32))

@@ -1,0 +1,1 @@
+"""Parallelism: meshes, named layouts (model-agnostic)."""

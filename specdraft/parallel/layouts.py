@@ -1,0 +1,51 @@
+"""Named sharding layouts as plain data: mesh axis sizes and logical-axis rules.
+
+Configs copy a layout into `config.parallel`, so every size and rule can be overridden from the
+command line (`--config.parallel.mesh.data=4`). Axis order is fixed: data, fsdp, tensor, cp, pp.
+"""
+
+from __future__ import annotations
+
+AXES = ("data", "fsdp", "tensor", "cp", "pp")
+
+# Logical axis -> mesh axes (a tuple shards over their product; None replicates).
+DEFAULT_RULES = (
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),
+  ("vocab", None),
+  ("head_dim", None),
+  ("layers", None),
+  ("length", None),
+)
+
+LAYOUTS = {
+  "single": {},
+  "dp2": {"data": 2},
+  "dp8": {"data": 8},
+  "fsdp8": {"fsdp": 8},
+  "tp2_dp4": {"tensor": 2, "data": 4},
+  "fsdp2_dp4": {"fsdp": 2, "data": 4},
+  "cp2": {"cp": 2},
+  "cp4": {"cp": 4},
+  "cp8": {"cp": 8},
+  "cp4_dp2": {"cp": 4, "data": 2},
+  "pp2": {"pp": 2},
+  "pp4": {"pp": 4},
+  "pp4_dp2": {"pp": 4, "data": 2},
+  "pp2_cp2_dp2": {"pp": 2, "cp": 2, "data": 2},
+}
+
+
+def layout(name: str) -> dict:
+  """{'name', 'devices', 'mesh': {axis: size}, 'rules': [(logical, mesh axes), ...]}.
+
+  `devices` is 0 (the mesh must cover every device) or a count (use the first N).
+  """
+  if name not in LAYOUTS:
+    raise ValueError(f"parallel.layout={name!r} is unknown; expected one of {sorted(LAYOUTS)}")
+  sizes = {a: 1 for a in AXES}
+  sizes.update(LAYOUTS[name])
+  return {"name": name, "devices": 0, "mesh": sizes, "rules": [list(r) for r in DEFAULT_RULES]}

@@ -1,0 +1,97 @@
+"""Meshes over (data, fsdp, tensor, cp, pp) from a config's layout, and logical-axis shardings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specdraft.parallel.layouts import AXES
+
+
+def mesh_shape(parallel_cfg) -> tuple[int, ...]:
+  sizes = dict(parallel_cfg.mesh)
+  unknown = set(sizes) - set(AXES)
+  if unknown:
+    raise ValueError(f"parallel.mesh has unknown axes {sorted(unknown)}; valid axes are {AXES}")
+  for a in AXES:
+    if int(sizes.get(a, 1)) < 1:
+      raise ValueError(f"parallel.mesh.{a}={sizes[a]} must be >= 1")
+  return tuple(int(sizes.get(a, 1)) for a in AXES)
+
+
+def mesh_devices(parallel_cfg, num_devices: int | None = None) -> int:
+  """How many devices the mesh must cover: `parallel.devices` (0 = all, else a count)."""
+  n = jax.device_count() if num_devices is None else num_devices
+  want = parallel_cfg.get("devices", 0)
+  if want == 0:
+    return n
+  if not isinstance(want, int) or not 1 <= want <= n:
+    raise ValueError(f"parallel.devices={want!r} is invalid: expected 0 (all devices) or a "
+                     f"count in [1, {n}]")
+  return want
+
+
+def check_mesh(parallel_cfg, num_devices: int | None = None) -> None:
+  n = mesh_devices(parallel_cfg, num_devices)
+  shape = mesh_shape(parallel_cfg)
+  if math.prod(shape) != n:
+    desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, shape) if s > 1) or "all axes 1"
+    raise ValueError(f"parallel.layout={parallel_cfg.get('name', '?')!r} has mesh size "
+                     f"{math.prod(shape)} ({desc}) but it must cover {n} devices "
+                     f"(parallel.devices={parallel_cfg.get('devices', 0)!r}); choose a "
+                     "layout whose axis sizes multiply to that count, or set parallel.devices")
+
+
+def make_mesh(parallel_cfg, devices=None) -> jax.sharding.Mesh:
+  """A mesh with Auto axis types (the compiler propagates shardings outside shard_map).
+
+  It covers every device unless `parallel.devices` names a count (the first N devices).
+  """
+  devices = jax.devices() if devices is None else devices
+  check_mesh(parallel_cfg, len(devices))
+  devices = devices[:mesh_devices(parallel_cfg, len(devices))]
+  return jax.make_mesh(mesh_shape(parallel_cfg), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) -> P:
+  """PartitionSpec for a tuple of logical axis names under `rules`.
+
+  With `shape`, a dimension is sharded only if its size divides the mesh axes' product; otherwise
+  a ValueError names the dimension.
+  """
+  table = {r[0]: r[1] for r in rules}
+  spec, used = [], set()
+  for i, name in enumerate(logical):
+    axes = table.get(name)
+    if axes is None:
+      spec.append(None)
+      continue
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = tuple(a for a in axes if mesh.shape[a] > 1 and a not in used)
+    if not axes:
+      spec.append(None)
+      continue
+    size = math.prod(mesh.shape[a] for a in axes)
+    if shape is not None and shape[i] % size:
+      raise ValueError(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
+                       f"{axes} of size {size}; change the layout rules or the model size")
+    used.update(axes)
+    spec.append(axes[0] if len(axes) == 1 else axes)
+  return P(*spec)
+
+
+def tree_shardings(logical_tree, shapes_tree, rules, mesh):
+  """NamedShardings for a pytree of parameters from their logical axes."""
+  is_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+  return jax.tree.map(
+    lambda names, s: NamedSharding(mesh, logical_to_spec(names, rules, mesh, s.shape)),
+    logical_tree, shapes_tree, is_leaf=is_leaf)
+
+
+def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
+  """Sharding of a [B, ...] batch array: batch over the 'batch' rule's axes."""
+  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))

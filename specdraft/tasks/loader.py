@@ -1,0 +1,70 @@
+"""Grain pipelines: padded or packed SFT batches, and prompt batches for generation.
+
+A batch is a dict of numpy arrays: tokens, positions (document-relative), segment_ids
+(1-based per document, 0 = padding) and loss_mask (1 on answer tokens and EOS), all [B,S].
+"""
+
+from __future__ import annotations
+
+import grain
+import grain.experimental as gexp
+import numpy as np
+
+from specdraft.tasks.base import Example
+from specdraft.tasks.datasets import to_example
+from specdraft.tasks.tokenizer import PAD, CharTokenizer
+
+
+def encode_sft(ex: Example, tok: CharTokenizer, seq_len: int) -> dict[str, np.ndarray]:
+  p = tok.encode(ex.prompt, bos=True)
+  a = tok.encode(ex.answer, eos=True)
+  if len(p) + len(a) > seq_len:
+    raise ValueError(f"example of {len(p) + len(a)} tokens does not fit data.seq_len={seq_len}: "
+                     f"{ex.prompt!r} -> {ex.answer[:40]!r}; raise data.seq_len")
+  tokens = np.asarray(p + a, np.int32)
+  mask = np.asarray([0] * len(p) + [1] * len(a), np.float32)
+  return {"tokens": tokens, "loss_mask": mask}
+
+
+def pad_row(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+  n = len(ex["tokens"])
+  pad = seq_len - n
+  return {
+    "tokens": np.pad(ex["tokens"], (0, pad), constant_values=PAD),
+    "loss_mask": np.pad(ex["loss_mask"], (0, pad)),
+    "positions": np.pad(np.arange(n, dtype=np.int32), (0, pad)),
+    "segment_ids": np.pad(np.ones(n, np.int32), (0, pad)),
+  }
+
+
+def sft_dataset(source, tok: CharTokenizer, *, batch_size: int, seq_len: int, packing: bool,
+                seed: int) -> grain.IterDataset:
+  """Endless shuffled SFT batches; iterators expose get_state/set_state for exact resume."""
+  ds = (grain.MapDataset.source(source).seed(seed).shuffle().repeat(None)
+        .map(lambda r: encode_sft(to_example(r), tok, seq_len)))
+  it = ds.to_iter_dataset()
+  if packing:
+    it = gexp.FirstFitPackIterDataset(
+      it, length_struct={"tokens": seq_len, "loss_mask": seq_len}, num_packing_bins=batch_size,
+      seed=seed, shuffle_bins=False)
+    it = it.map(_rename_packed)
+  else:
+    it = it.map(lambda e: pad_row(e, seq_len))
+  return it.batch(batch_size, drop_remainder=True)
+
+
+def _rename_packed(e):
+  return {"tokens": e["tokens"].astype(np.int32), "loss_mask": e["loss_mask"].astype(np.float32),
+          "positions": e["tokens_positions"].astype(np.int32),
+          "segment_ids": e["tokens_segment_ids"].astype(np.int32)}
+
+
+def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
+  """Right-padded prompts [B,P] (BOS + prompt) and their lengths [B]."""
+  rows = [tok.encode(e.prompt, bos=True) for e in examples]
+  if max(map(len, rows)) > prompt_len:
+    raise ValueError(f"a prompt of {max(map(len, rows))} tokens exceeds prompt_len={prompt_len}")
+  out = np.full((len(rows), prompt_len), PAD, np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out, np.asarray([len(r) for r in rows], np.int32)

@@ -1,0 +1,1 @@
+"""Training: steps, loops and checkpoints."""

@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+
+from specdraft.tasks import Arithmetic, CharTokenizer, Countdown, Example
+from specdraft.tasks.countdown import evaluate
+from specdraft.tasks.tokenizer import BOS, EOS, PAD
+
+
+def test_tokenizer_round_trip():
+  tok = CharTokenizer()
+  text = "12+34=4+2+0=6,3+1+0=4|46 (Hello, world!)\n"
+  ids = tok.encode(text, bos=True, eos=True)
+  assert ids[0] == BOS and ids[-1] == EOS
+  assert len(set(ids)) > 10 and PAD not in ids
+  assert tok.decode(ids) == text
+  assert tok.decode(ids + [5, 6]) == text  # stops at EOS
+  assert tok.vocab_size == 3 + 96
+
+
+def test_tokenizer_rejects_unknown_characters():
+  with pytest.raises(ValueError, match="not in the tokenizer's alphabet"):
+    CharTokenizer().encode("naïve")
+
+
+def test_arithmetic_scratchpad_by_hand():
+  t = Arithmetic()
+  assert t.solve([57, 68]) == "7+8+0=15,5+6+1=12,1=1|125"
+  assert t.solve([5, 3]) == "5+3+0=8|8"
+  assert Arithmetic(scratchpad=False).solve([57, 68]) == "125"
+  assert Arithmetic(num_operands=3).solve([9, 9, 9]) == "9+9+9+0=27,2=2|27"
+
+
+def test_arithmetic_reward():
+  t = Arithmetic()
+  ex = Example("57+68=", "whatever")
+  assert t.reward(ex, "7+8+0=15,5+6+1=12,1=1|125") == 1.0
+  assert t.reward(ex, "125") == 1.0  # only the final answer is checked
+  assert t.reward(ex, "7+8+0=15|124") == 0.0
+  assert t.reward(ex, "") == 0.0
+
+
+@pytest.mark.parametrize("task", [Arithmetic(min_digits=2, max_digits=4, num_operands=3),
+                                  Countdown(num_numbers=4, max_number=30, ops="+-*/")])
+def test_generated_examples_are_correct_and_bounded(task):
+  rng = np.random.default_rng(0)
+  for _ in range(300):
+    ex = task.sample(rng)
+    assert task.reward(ex, ex.answer) == 1.0, ex
+    assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+  a = [task.sample(np.random.default_rng(7)) for _ in range(1)]
+  b = [task.sample(np.random.default_rng(7)) for _ in range(1)]
+  assert a == b
+
+
+def test_countdown_parser_and_reward():
+  assert evaluate("(15-13)*11") == (22, [15, 13, 11])
+  assert evaluate("7/2*2")[0] == 7
+  for bad in ("2+", "(1+2", "1+2)", "a", "1++2", "3/0", ""):
+    with pytest.raises(ValueError):
+      evaluate(bad)
+  t = Countdown()
+  ex = Example("11,13,15->22:", "")
+  assert t.reward(ex, "(15-13)*11") == 1.0
+  assert t.reward(ex, "11*(15-13)") == 1.0
+  assert t.reward(ex, "11+11") == 0.0  # 11 used twice
+  assert t.reward(ex, "(15-13)*11+0") == 0.0  # 0 not given
+  assert t.reward(ex, "15+13-11") == 0.0  # wrong value
+  assert Countdown(use_all=False).reward(Example("2,3,9->5:", ""), "2+3") == 1.0
+  assert t.reward(Example("2,3,9->5:", ""), "2+3") == 0.0  # use_all
+
+
+def test_task_knob_errors():
+  with pytest.raises(ValueError, match="min_digits"):
+    Arithmetic(min_digits=3, max_digits=2)
+  with pytest.raises(ValueError, match="ops"):
+    Countdown(ops="+^")

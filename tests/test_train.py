@@ -1,0 +1,159 @@
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdraft.decode import autoregressive
+from specdraft.model import policy as pol
+from specdraft.parallel import mesh as mesh_lib
+from specdraft.tasks.tokenizer import EOS, PAD
+from specdraft.train import loop
+from specdraft.train import step as step_lib
+from configs import default as default_config
+
+
+def _batch(seed, B=8, S=24, V=99):
+  rng = np.random.default_rng(seed)
+  seg = np.ones((B, S), np.int32)
+  seg[:, S // 2:] = 2
+  seg[:, -3:] = 0
+  pos = np.concatenate([np.arange(S // 2), np.arange(S - S // 2)])[None].repeat(B, 0)
+  return {"tokens": rng.integers(3, V, (B, S)).astype(np.int32), "positions": pos.astype(np.int32),
+          "segment_ids": seg, "loss_mask": (rng.random((B, S)) < 0.7).astype(np.float32)}
+
+
+def test_next_token_targets_respect_documents():
+  b = _batch(0)
+  targets, w = step_lib.next_token_targets({k: jnp.asarray(v) for k, v in b.items()})
+  S = 24
+  np.testing.assert_array_equal(targets[:, :-1], b["tokens"][:, 1:])
+  assert np.all(np.asarray(w)[:, S // 2 - 1] == 0)  # last token of doc 1 does not predict doc 2
+  assert np.all(np.asarray(w)[:, -4:] == 0)  # nothing predicts padding
+
+
+@pytest.mark.parametrize("layout", ["dp8", "fsdp2_dp4", "tp2_dp4"])
+def test_sharded_sft_step_equals_single_device(layout):
+  c = default_config.get_config(f"layout={layout},smoke")
+  c.model.n_kv_heads = 2  # so that kv heads split over tensor=2
+  cfg = pol.PolicyConfig.from_config(c.model, 99)
+  tx = step_lib.make_optimizer(c.sft, 10)
+  batch = _batch(1)
+
+  def run(parallel):
+    mesh = mesh_lib.make_mesh(parallel)
+    rules = [tuple(r) for r in parallel.rules]
+    state = loop.init_state(cfg, tx, mesh, rules, 0)
+    sh = loop.state_shardings(state)
+    bsh = mesh_lib.batch_sharding(mesh, rules)
+    f = jax.jit(lambda s, b: step_lib.sft_step(s, b, cfg=cfg, tx=tx), in_shardings=(sh, bsh),
+                out_shardings=(sh, None))
+    for _ in range(2):
+      state, m = f(state, jax.device_put(batch, bsh))
+    return jax.device_get(state), jax.device_get(m)
+
+  single = default_config.get_config("smoke").parallel
+  single.devices = 1
+  s1, m1 = run(single)
+  s8, m8 = run(c.parallel)
+  np.testing.assert_allclose(m1["loss"], m8["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m1["grad_norm"], m8["grad_norm"], rtol=1e-4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), s1["params"], s8["params"])
+
+
+def test_sft_learns_a_fixed_batch():
+  c = default_config.get_config("smoke")
+  cfg = pol.PolicyConfig.from_config(c.model, 99)
+  c.sft.lr, c.sft.warmup_steps = 1e-2, 1
+  tx = step_lib.make_optimizer(c.sft, 40)
+  params = pol.init_params(cfg, 0)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  batch = {k: jnp.asarray(v) for k, v in _batch(2).items()}
+  f = jax.jit(lambda s: step_lib.sft_step(s, batch, cfg=cfg, tx=tx))
+  losses = []
+  for _ in range(40):
+    state, m = f(state)
+    losses.append(float(m["loss"]))
+  assert losses[-1] < 0.5 * losses[0]
+
+
+def test_greedy_generate_matches_naive_argmax_loop():
+  cfg = pol.PolicyConfig(vocab_size=99, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                         head_dim=16, d_ff=64)
+  params = pol.init_params(cfg, 3)
+  prompts = np.array([[1, 10, 11, 12, 13], [1, 20, 0, 0, 0], [1, 30, 31, 0, 0]], np.int32)
+  lengths = np.array([5, 2, 3], np.int32)
+  gen = autoregressive.generate(params, cfg, prompts, lengths, jax.random.key(0),
+                                max_new_tokens=6, temperature=0.0)
+  for b in range(3):
+    seq = list(prompts[b, :lengths[b]])
+    for i in range(6):
+      logits, _ = pol.forward(params, cfg, jnp.asarray([seq]))
+      lp = jax.nn.log_softmax(logits[0, -1])
+      nxt = int(jnp.argmax(logits[0, -1]))
+      assert int(gen.tokens[b, i]) == nxt
+      np.testing.assert_allclose(gen.logprobs[b, i], lp[nxt], atol=1e-5)
+      seq.append(nxt)
+      if nxt == EOS:
+        assert np.all(np.asarray(gen.tokens[b, i + 1:]) == PAD)
+        break
+
+
+def test_generate_stops_rows_at_eos():
+  cfg = pol.PolicyConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1,
+                         head_dim=16, d_ff=32)
+  params = pol.init_params(cfg, 0)
+  # Force EOS everywhere through the head bias of a tied embedding: make EOS's row dominant.
+  params["embed"] = params["embed"].at[EOS].set(params["embed"][EOS] * 0)
+  params["final_norm"] = params["final_norm"] * 0 + 1
+  gen = autoregressive.generate(params, cfg, np.array([[1, 3]], np.int32), np.array([2]),
+                                jax.random.key(1), max_new_tokens=10, temperature=1.0)
+  n = int(gen.lengths[0])
+  assert n <= 10
+  if n < 10:
+    assert int(gen.tokens[0, n - 1]) == EOS and np.all(np.asarray(gen.tokens[0, n:]) == PAD)
+    assert np.all(np.asarray(gen.logprobs[0, n:]) == 0)
+
+
+def _read(path):
+  with open(path) as f:
+    return [json.loads(ln) for ln in f]
+
+
+def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
+  c = smoke_config
+  full = str(tmp_path / "full")
+  summary = loop.train_and_evaluate(c, full)
+  assert summary["sft_steps"] == c.sft.steps
+  for f in ("metrics.jsonl", "eval.jsonl", "summary.json", "plots/sft_loss.png",
+            "plots/eval_accuracy.png"):
+    assert os.path.exists(os.path.join(full, f)), f
+  # Interrupted after the first checkpoint (step 6), then resumed: same metrics afterwards.
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(c, part, stop_after=8)
+  assert [r["step"] for r in _read(os.path.join(part, "metrics.jsonl"))] == [4, 8]
+  loop.train_and_evaluate(c, part)
+  a, b = _read(os.path.join(full, "metrics.jsonl")), _read(os.path.join(part, "metrics.jsonl"))
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [4, 8, 12]
+  for ra, rb in zip(a, b):
+    assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6)
+    assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-5)
+
+
+def test_corrupt_latest_checkpoint_falls_back(smoke_config, tmp_path, capsys):
+  c = smoke_config
+  wd = str(tmp_path / "run")
+  loop.train_and_evaluate(c, wd)  # checkpoints at 6 and 12
+  ckdir = os.path.join(wd, "checkpoints")
+  assert sorted(os.listdir(ckdir)) == ["12", "6"]
+  # Corrupt the newest: remove its state payload.
+  shutil.rmtree(os.path.join(ckdir, "12", "state"))
+  c.sft.steps = 12
+  loop.train_and_evaluate(c, wd)
+  out = capsys.readouterr().out
+  assert "checkpoint at step 12" in out and "falling back" in out
+  assert "Resumed from step 6" in out
+  assert [r["step"] for r in _read(os.path.join(wd, "metrics.jsonl"))] == [4, 8, 12]
