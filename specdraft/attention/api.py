@@ -46,6 +46,9 @@ def branch_attention(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="de
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not available; expected one of {IMPLS}")
   del mesh, cp_axis  # used by the context-parallel implementations
+  if q_br.shape[2] == 0:  # no branch entries: trunk only
+    out = reference.causal_attention(q, k, v, segment_ids)
+    return out, q_br
   out, out_br, _, _ = reference.branch_attention_dense(q, k, v, q_br, k_br, v_br, segment_ids,
                                                        branch=branch)
   return out.astype(q.dtype), out_br.astype(q_br.dtype)

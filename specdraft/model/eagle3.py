@@ -1,0 +1,243 @@
+"""EAGLE-3 draft: fused policy taps + one decoder layer + its own LM head.
+
+The draft's layer reads `[norm(embed(token)); norm(feature)]` (width 2E) for q, k and v, with a
+residual on the feature. The embedding table is the policy's, passed in under stop_gradient (never
+updated through the draft). Training uses the training-time test (TTT): step 0 reads the fused
+policy taps; step k >= 1 reads the draft's own step k-1 output and the ground truth shifted one
+further, attending to step-0 keys s <= t and its own earlier branch entries (branch="ttt").
+
+Shape letters: B batch, S sequence, T new entries, E width, N taps, H/K heads, D head dim,
+V vocabulary, C cache capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specdraft.attention import branch_attention, reference
+from specdraft.model import policy as pol
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+  d_model: int
+  vocab_size: int
+  n_taps: int
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 384
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  ttt_steps: int = 7
+  ttt_decay: float = 0.8
+  init_std: float = 0.02
+  dtype: str = "float32"
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @classmethod
+  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> DraftConfig:
+    """Draft dims default to the policy's where the config leaves them 0."""
+    pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
+    return cls(d_model=pcfg.d_model, vocab_size=pcfg.vocab_size, n_taps=len(pcfg.taps),
+               n_heads=pick("n_heads"), n_kv_heads=pick("n_kv_heads"), head_dim=pick("head_dim"),
+               d_ff=pick("d_ff"), rope_theta=pcfg.rope_theta, norm_eps=pcfg.norm_eps,
+               ttt_steps=draft_cfg.ttt_steps, ttt_decay=draft_cfg.ttt_decay, dtype=pcfg.dtype)
+
+
+class Eagle3(nnx.Module):
+  def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs):
+    E, H, K, D, F, N = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_taps
+    normal = nnx.initializers.normal(cfg.init_std)
+    self.fc = nnx.Param(nnx.initializers.normal((N * E) ** -0.5)(rngs.params(), (N * E, E)))
+    self.embed_norm = nnx.Param(jnp.ones((E,)))
+    self.hidden_norm = nnx.Param(jnp.ones((E,)))
+    self.wq = nnx.Param(normal(rngs.params(), (2 * E, H, D)))
+    self.wk = nnx.Param(normal(rngs.params(), (2 * E, K, D)))
+    self.wv = nnx.Param(normal(rngs.params(), (2 * E, K, D)))
+    self.wo = nnx.Param(normal(rngs.params(), (H, D, E)))
+    self.mlp_norm = nnx.Param(jnp.ones((E,)))
+    self.w_gate = nnx.Param(normal(rngs.params(), (E, F)))
+    self.w_up = nnx.Param(normal(rngs.params(), (E, F)))
+    self.w_down = nnx.Param(normal(rngs.params(), (F, E)))
+    self.final_norm = nnx.Param(jnp.ones((E,)))
+    self.head = nnx.Param(normal(rngs.params(), (E, cfg.vocab_size)))
+
+
+def init_params(cfg: DraftConfig, seed: int, policy_params: Params | None = None,
+                pcfg: pol.PolicyConfig | None = None) -> Params:
+  """Fresh draft parameters; with the policy given, the LM head and final norm start as its own."""
+  params = pol.split_params(Eagle3(cfg, rngs=nnx.Rngs(seed)))
+  if policy_params is not None:
+    w = policy_params["embed"].T if pcfg.tie_embeddings else policy_params["head"]
+    params["head"] = jnp.asarray(w, params["head"].dtype)
+    params["final_norm"] = jnp.asarray(policy_params["final_norm"])
+  return params
+
+
+def fuse(dp: Params, taps_NBTE, cfg: DraftConfig):
+  """Concatenate the tapped layers along features and project to width E."""
+  N, B, T, E = taps_NBTE.shape
+  x = jnp.moveaxis(taps_NBTE, 0, 2).reshape(B, T, N * E).astype(cfg.compute_dtype)
+  return x @ dp["fc"].astype(cfg.compute_dtype)
+
+
+def _qkv(dp, embed_table, feat_BTE, tokens_BT, positions_BT, cfg: DraftConfig):
+  dt = cfg.compute_dtype
+  emb = jnp.take(jax.lax.stop_gradient(embed_table), tokens_BT, axis=0).astype(dt)
+  x = jnp.concatenate([pol.rms_norm(emb, dp["embed_norm"], cfg.norm_eps),
+                       pol.rms_norm(feat_BTE, dp["hidden_norm"], cfg.norm_eps)], axis=-1)
+  q = jnp.einsum("bte,ehd->bthd", x, dp["wq"].astype(dt))
+  k = jnp.einsum("bte,ekd->btkd", x, dp["wk"].astype(dt))
+  v = jnp.einsum("bte,ekd->btkd", x, dp["wv"].astype(dt))
+  return (pol.rope(q, positions_BT, cfg.rope_theta), pol.rope(k, positions_BT, cfg.rope_theta), v)
+
+
+def _finish(dp, feat_BTE, o_BTHD, cfg: DraftConfig):
+  """Residual on the feature, then the residual SwiGLU MLP; returns the draft hidden state."""
+  dt = cfg.compute_dtype
+  h = feat_BTE.astype(dt) + jnp.einsum("bthd,hde->bte", o_BTHD.astype(dt), dp["wo"].astype(dt))
+  z = pol.rms_norm(h, dp["mlp_norm"], cfg.norm_eps)
+  g = jax.nn.silu(z @ dp["w_gate"].astype(dt)) * (z @ dp["w_up"].astype(dt))
+  return h + g @ dp["w_down"].astype(dt)
+
+
+def logits_of(dp, h_BTE, cfg: DraftConfig):
+  z = pol.rms_norm(h_BTE, dp["final_norm"], cfg.norm_eps)
+  return jnp.einsum("bte,ev->btv", z, dp["head"].astype(z.dtype)).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- training (TTT)
+
+
+def shift_within_segment(x_BS, segment_ids_BS, n: int, fill=0):
+  """x[t + n] where t + n is in t's segment, else `fill` (natural token order)."""
+  S = x_BS.shape[1]
+  if n == 0:
+    return x_BS
+  shifted = jnp.concatenate([x_BS[:, n:], jnp.full((x_BS.shape[0], min(n, S)), fill,
+                                                  x_BS.dtype)], axis=1)[:, :S]
+  seg_sh = jnp.concatenate([segment_ids_BS[:, n:], jnp.zeros((x_BS.shape[0], min(n, S)),
+                                                            segment_ids_BS.dtype)], axis=1)[:, :S]
+  ok = (seg_sh == segment_ids_BS) & (segment_ids_BS != 0)
+  return jnp.where(ok, shifted, fill)
+
+
+def ttt_targets(tokens_BS, segment_ids_BS, loss_mask_BS, steps: int):
+  """Per TTT step k: input tokens x[t+1+k] and weights (x[t+2+k] is a loss token of t's doc).
+
+  Returns (tokens_KBS, weights_KBS). Step k at anchor t is supervised by the policy's
+  distribution at position t+1+k.
+  """
+  toks, ws = [], []
+  for k in range(steps):
+    toks.append(shift_within_segment(tokens_BS, segment_ids_BS, 1 + k))
+    ws.append(shift_within_segment(loss_mask_BS.astype(jnp.float32), segment_ids_BS, 2 + k))
+  return jnp.stack(toks), jnp.stack(ws)
+
+
+def soft_cross_entropy(target_logits_BSV, logits_BSV):
+  """-sum p log q with p = softmax(target) (under stop_gradient), float32."""
+  p = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BSV).astype(jnp.float32), axis=-1)
+  return -jnp.sum(p * jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def ttt_forward(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, tokens_BS, positions_BS,
+                segment_ids_BS, *, attn_impl: str = "dense", mesh=None):
+  """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
+  K = cfg.ttt_steps
+  in_toks, _ = ttt_targets(tokens_BS, segment_ids_BS, jnp.zeros_like(tokens_BS), K)
+  feat = fuse(dp, taps_NBSE, cfg)
+  q0, k0, v0 = _qkv(dp, embed_table, feat, in_toks[0], positions_BS, cfg)
+  B, S, H, D = q0.shape
+  empty_q = jnp.zeros((B, S, 0, H, D), q0.dtype)
+  empty_kv = jnp.zeros((B, S, 0) + k0.shape[2:], k0.dtype)
+  o0, _ = branch_attention(q0, k0, v0, empty_q, empty_kv, empty_kv, segment_ids_BS, branch="ttt",
+                           impl=attn_impl, mesh=mesh)
+  h = _finish(dp, feat, o0, cfg)
+  all_logits = [logits_of(dp, h, cfg)]
+  qs, ks, vs = [], [], []
+  for k in range(1, K):
+    q, kk, v = _qkv(dp, embed_table, h, in_toks[k], positions_BS + k, cfg)
+    qs.append(q)
+    ks.append(kk)
+    vs.append(v)
+    _, o_br = branch_attention(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2),
+                               segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
+    h = _finish(dp, h, o_br[:, :, k - 1], cfg)
+    all_logits.append(logits_of(dp, h, cfg))
+  return jnp.stack(all_logits)
+
+
+def ttt_loss(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS,
+             positions_BS, segment_ids_BS, loss_mask_BS, *, attn_impl: str = "dense", mesh=None):
+  """Soft cross-entropy to the (stop-gradient) policy distribution, step k weighted decay**k.
+
+  Returns (loss, metrics) with per-step top-1 agreement with the policy (`ttt_acc_k`).
+  """
+  K = cfg.ttt_steps
+  logits = ttt_forward(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS,
+                       attn_impl=attn_impl, mesh=mesh)
+  _, w = ttt_targets(tokens_BS, segment_ids_BS, loss_mask_BS, K)
+  total, norm, metrics = 0.0, 0.0, {}
+  pl = jax.lax.stop_gradient(policy_logits_BSV)
+  for k in range(K):
+    target = shift_within_segment_logits(pl, segment_ids_BS, 1 + k)
+    ce = soft_cross_entropy(target, logits[k])
+    n = jnp.maximum(w[k].sum(), 1.0)
+    step_loss = (ce * w[k]).sum() / n
+    agree = (jnp.argmax(logits[k], -1) == jnp.argmax(target, -1)) * w[k]
+    metrics[f"ttt_acc_{k}"] = agree.sum() / n
+    total = total + cfg.ttt_decay**k * step_loss
+    norm += cfg.ttt_decay**k
+  loss = total / norm
+  metrics["draft_loss"] = loss
+  return loss, metrics
+
+
+def shift_within_segment_logits(logits_BSV, segment_ids_BS, n: int):
+  """logits[t + n] (rows outside t's segment are zeros; they carry zero weight)."""
+  B, S, V = logits_BSV.shape
+  pad = jnp.zeros((B, min(n, S), V), logits_BSV.dtype)
+  return jnp.concatenate([logits_BSV[:, n:], pad], axis=1)[:, :S]
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+class DraftCache(NamedTuple):
+  k: jax.Array  # [B,C,K,D]
+  v: jax.Array  # [B,C,K,D]
+  lengths: jax.Array  # [B]
+
+
+def init_cache(cfg: DraftConfig, batch: int, capacity: int) -> DraftCache:
+  z = jnp.zeros((batch, capacity, cfg.n_kv_heads, cfg.head_dim), cfg.compute_dtype)
+  return DraftCache(z, z, jnp.zeros((batch,), jnp.int32))
+
+
+def step(dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT):
+  """Appends T draft entries (feature, next token) at lengths..lengths+T-1 and runs the layer.
+
+  Returns (logits_BTV, hidden_BTE, cache with lengths advanced by T).
+  """
+  T = tokens_BT.shape[1]
+  C = cache.k.shape[1]
+  positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  q, k, v = _qkv(dp, embed_table, feat_BTE, tokens_BT, positions, cfg)
+  ck = pol._write_rows(cache.k, k, cache.lengths)
+  cv = pol._write_rows(cache.v, v, cache.lengths)
+  mask = jnp.arange(C)[None, None, :] <= positions[:, :, None]
+  o, _ = reference.masked_attention(q, ck, cv, mask)
+  h = _finish(dp, feat_BTE, o, cfg)
+  return logits_of(dp, h, cfg), h, DraftCache(ck, cv, cache.lengths + T)
