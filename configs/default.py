@@ -46,8 +46,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     steps=1200, lr=3e-3, warmup_steps=50, weight_decay=0.01, grad_clip=1.0, b2=0.98,
     log_every=20))
 
-  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0))
-  c.eval = ml_collections.ConfigDict(dict(every=400, num_examples=256, batch_size=64))
+  # EAGLE-3 draft; 0 for a dimension means "the policy's".
+  c.draft = ml_collections.ConfigDict(dict(
+    kind="eagle3", n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0, ttt_steps=7, ttt_decay=0.8,
+    pretrain_steps=300, batch_size=32, rollout_temperature=1.0, lr=3e-3, warmup_steps=20,
+    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20))
+
+  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0, num_draft=5))
+  c.eval = ml_collections.ConfigDict(dict(every=400, num_examples=256, batch_size=64,
+                                          sd_temperature=1.0))
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
   c.parallel = layout_config(arg.layout)
 
@@ -59,4 +66,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.every, c.eval.num_examples, c.eval.batch_size = 6, 16, 8
     c.checkpoint.every = 6
     c.decode.max_new_tokens = 24
+    c.draft.pretrain_steps, c.draft.batch_size, c.draft.log_every = 6, 8, 3
+    c.draft.ttt_steps = 3
   return c

@@ -88,6 +88,21 @@ def validate(config, *, num_devices: int | None = None) -> None:
   if s.steps < 0 or s.lr <= 0:
     _fail("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
 
+  dr = config.draft
+  if dr.kind != "eagle3":
+    _fail("draft.kind", dr.kind, "expected 'eagle3'")
+  if dr.ttt_steps < 1:
+    _fail("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
+  if not 0 < dr.ttt_decay <= 1:
+    _fail("draft.ttt_decay", dr.ttt_decay, "must be in (0, 1]")
+  dh, dk = dr.n_heads or m.n_heads, dr.n_kv_heads or m.n_kv_heads
+  if dh % dk:
+    _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
+  if dr.pretrain_steps < 0:
+    _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
+  if dec.num_draft < 1:
+    _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
+
   p = config.parallel
   if p.name not in layouts.LAYOUTS and p.name != "custom":
     _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")

@@ -128,15 +128,15 @@ def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
   full = str(tmp_path / "full")
   summary = loop.train_and_evaluate(c, full)
   assert summary["sft_steps"] == c.sft.steps
-  for f in ("metrics.jsonl", "eval.jsonl", "summary.json", "plots/sft_loss.png",
-            "plots/eval_accuracy.png"):
+  for f in ("sft_metrics.jsonl", "eval.jsonl", "draft_metrics.jsonl", "summary.json",
+            "plots/sft_loss.png", "plots/eval_accuracy.png", "plots/draft_ttt_acc.png"):
     assert os.path.exists(os.path.join(full, f)), f
   # Interrupted after the first checkpoint (step 6), then resumed: same metrics afterwards.
   part = str(tmp_path / "part")
-  loop.train_and_evaluate(c, part, stop_after=8)
-  assert [r["step"] for r in _read(os.path.join(part, "metrics.jsonl"))] == [4, 8]
+  loop.train_and_evaluate(c, part, stop_after=("sft", 8))
+  assert [r["step"] for r in _read(os.path.join(part, "sft_metrics.jsonl"))] == [4, 8]
   loop.train_and_evaluate(c, part)
-  a, b = _read(os.path.join(full, "metrics.jsonl")), _read(os.path.join(part, "metrics.jsonl"))
+  a, b = _read(os.path.join(full, "sft_metrics.jsonl")), _read(os.path.join(part, "sft_metrics.jsonl"))
   assert [r["step"] for r in a] == [r["step"] for r in b] == [4, 8, 12]
   for ra, rb in zip(a, b):
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6)
@@ -147,7 +147,7 @@ def test_corrupt_latest_checkpoint_falls_back(smoke_config, tmp_path, capsys):
   c = smoke_config
   wd = str(tmp_path / "run")
   loop.train_and_evaluate(c, wd)  # checkpoints at 6 and 12
-  ckdir = os.path.join(wd, "checkpoints")
+  ckdir = os.path.join(wd, "checkpoints", "sft")
   assert sorted(os.listdir(ckdir)) == ["12", "6"]
   # Corrupt the newest: remove its state payload.
   shutil.rmtree(os.path.join(ckdir, "12", "state"))
@@ -155,5 +155,5 @@ def test_corrupt_latest_checkpoint_falls_back(smoke_config, tmp_path, capsys):
   loop.train_and_evaluate(c, wd)
   out = capsys.readouterr().out
   assert "checkpoint at step 12" in out and "falling back" in out
-  assert "Resumed from step 6" in out
-  assert [r["step"] for r in _read(os.path.join(wd, "metrics.jsonl"))] == [4, 8, 12]
+  assert "Resumed sft from step 6" in out
+  assert [r["step"] for r in _read(os.path.join(wd, "sft_metrics.jsonl"))] == [4, 8, 12]

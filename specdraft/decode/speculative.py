@@ -27,11 +27,13 @@ def _logprob(logits_BV, tok_B):
 
 
 @functools.partial(jax.jit, static_argnames=("pcfg", "dcfg", "max_new_tokens", "temperature",
-                                             "num_draft"))
+                                             "num_draft", "sampler"))
 def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, prompt_BP,
              prompt_lengths_B, key, *, max_new_tokens: int, temperature: float,
-             num_draft: int) -> Generation:
+             num_draft: int, sampler=rejection_sample) -> Generation:
   """Speculative generation; same interface and output as `autoregressive.generate`.
+
+  `sampler` is the verification rule (tests swap in a broken one as a negative control).
 
   stats: policy_passes, draft_passes, rounds, tau_sum and row_rounds (tau = tau_sum/row_rounds),
   accept_counts[G] and reach_counts[G] (per-position conditional acceptance = accept/reach).
@@ -93,7 +95,7 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
     # Verify [c, d_1..d_G] in one policy pass.
     logits, vtaps, pcache = pol.decode(params, pcfg, pcache, jnp.concatenate([c[:, None], d], 1))
     p_probs = probs_at(logits, temperature)
-    toks, a = rejection_sample(k_rej, d, None if temperature == 0 else q_probs, p_probs)
+    toks, a = sampler(k_rej, d, None if temperature == 0 else q_probs, p_probs)
     c_new = toks[rows, a]
     lps = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(toks, 0)[..., None],
                               -1)[..., 0]

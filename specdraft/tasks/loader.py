@@ -68,3 +68,20 @@ def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
   for i, r in enumerate(rows):
     out[i, :len(r)] = r
   return out, np.asarray([len(r) for r in rows], np.int32)
+
+
+def prompt_dataset(source, tok: CharTokenizer, *, batch_size: int, prompt_len: int,
+                   seed: int) -> grain.IterDataset:
+  """Endless shuffled prompt batches: prompts [B,P], prompt_lengths [B], prompt/answer texts."""
+
+  def enc(r):
+    ex = to_example(r)
+    ids = tok.encode(ex.prompt, bos=True)
+    if len(ids) > prompt_len:
+      raise ValueError(f"prompt of {len(ids)} tokens exceeds prompt_len={prompt_len}")
+    return {"prompts": np.pad(np.asarray(ids, np.int32), (0, prompt_len - len(ids))),
+            "prompt_lengths": np.int32(len(ids)), "prompt_text": ex.prompt,
+            "answer_text": ex.answer}
+
+  ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat(None).map(enc)
+  return ds.to_iter_dataset().batch(batch_size, drop_remainder=True)

@@ -1,5 +1,5 @@
-"""`train_and_evaluate(config, workdir)`: SFT of the policy with evaluation, metrics, plots and
-exact resume. Later phases (draft pretraining, RL co-training) plug in after SFT."""
+"""`train_and_evaluate(config, workdir)`: SFT of the policy, draft pretraining, and a speculative
+decoding report, with evaluation, metrics, plots and exact resume."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from specdraft import config as config_lib
-from specdraft.decode import autoregressive
+from specdraft.decode import autoregressive, speculative
+from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.tasks import CharTokenizer, make_task
 from specdraft.tasks import datasets as task_data
 from specdraft.tasks import loader
 from specdraft.train import checkpoint as ckpt_lib
+from specdraft.train import draft as draft_lib
 from specdraft.train import step as step_lib
 
 
@@ -139,108 +141,231 @@ def plot_curves(path: str, series: dict[str, tuple[list, list]], *, title: str, 
 # ----------------------------------------------------------------------------- the loop
 
 
-def train_and_evaluate(config, workdir: str, *, stop_after: int | None = None) -> dict:
-  """SFT the policy on the configured task; writes metrics, evals, plots and checkpoints.
+class Context:
+  """Everything a run's phases share: task, data sources, model configs, mesh and layouts."""
 
-  `stop_after` ends the process-level loop early at that step (to test resumption).
-  Returns the run summary (also written to `workdir/summary.json`).
-  """
-  config_lib.validate(config)
-  os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
-  t_start = time.time()
+  def __init__(self, config, workdir: str):
+    config_lib.validate(config)
+    tfds.disable_progress_bar()
+    self.config, self.workdir = config, workdir
+    self.task = make_task(config.task)
+    self.tok = CharTokenizer()
+    self.train_src = task_data.data_source(config.task, config.data.data_dir, "train")
+    test_src = task_data.data_source(config.task, config.data.data_dir, "test")
+    n_eval = min(config.eval.num_examples, len(test_src))
+    self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
+    self.pcfg = policy_config(config)
+    self.dcfg = eagle3.DraftConfig.from_config(config.draft, self.pcfg)
+    self.mesh = mesh_lib.make_mesh(config.parallel)
+    self.rules = [tuple(r) for r in config.parallel.rules]
+    self.batch_sh = mesh_lib.batch_sharding(self.mesh, self.rules)
+    self.prompt_len = prompt_len_for(self.task)
+    os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
-  # --- data
-  tfds.disable_progress_bar()
-  task = make_task(config.task)
-  tok = CharTokenizer()
-  train_src = task_data.data_source(config.task, config.data.data_dir, "train")
-  test_src = task_data.data_source(config.task, config.data.data_dir, "test")
-  n_eval = min(config.eval.num_examples, len(test_src))
-  eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
-  batches = loader.sft_dataset(train_src, tok, batch_size=config.data.batch_size,
-                               seq_len=config.data.seq_len, packing=config.data.packing,
-                               seed=config.data.shuffle_seed)
-  data_iter = iter(batches)
+  def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(
+      os.path.join(os.path.abspath(self.workdir), "checkpoints", phase),
+      keep=self.config.checkpoint.keep)
 
-  # --- model, mesh, state
-  pcfg = policy_config(config)
-  mesh = mesh_lib.make_mesh(config.parallel)
-  rules = [tuple(r) for r in config.parallel.rules]
-  batch_sh = mesh_lib.batch_sharding(mesh, rules)
-  tx = step_lib.make_optimizer(config.sft, config.sft.steps)
-  state = init_state(pcfg, tx, mesh, rules, config.seed)
-  shardings = state_shardings(state)
-  train_step = jax.jit(functools.partial(step_lib.sft_step, cfg=pcfg, tx=tx),
-                       in_shardings=(shardings, batch_sh), out_shardings=(shardings, None),
-                       donate_argnums=0)
+  def log(self, name: str) -> RunLog:
+    return RunLog(os.path.join(self.workdir, name))
 
-  metrics_log = RunLog(os.path.join(workdir, "metrics.jsonl"))
-  eval_log = RunLog(os.path.join(workdir, "eval.jsonl"))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                               keep=config.checkpoint.keep)
+
+def _restore(ckpt, state, data_iter, *logs):
+  """Restores the newest readable checkpoint (if any) and truncates logs back to it."""
   restored = ckpt.restore_latest(abstract_like(state))
   start = 0
   if restored is not None:
     start, state, extra = restored
-    data_iter.set_state(extra["data_iter"])
-    print(f"Resumed from step {start} in {workdir}", flush=True)
-  metrics_log.truncate_after(start)
-  eval_log.truncate_after(start)
+    if data_iter is not None:
+      data_iter.set_state(extra["data_iter"])
+    print(f"Resumed {os.path.basename(ckpt.mngr.directory)} from step {start}", flush=True)
+  for lg in logs:
+    lg.truncate_after(start)
+  return start, state
 
-  eval_kw = dict(batch_size=config.eval.batch_size, max_new_tokens=config.decode.max_new_tokens,
-                 prompt_len=prompt_len_for(task), sharding=batch_sh)
+
+def sft_phase(ctx: Context, stop_after: int | None = None):
+  """Supervised fine-tuning of the policy; returns (params, finished)."""
+  c = ctx.config
+  batches = loader.sft_dataset(ctx.train_src, ctx.tok, batch_size=c.data.batch_size,
+                               seq_len=c.data.seq_len, packing=c.data.packing,
+                               seed=c.data.shuffle_seed)
+  data_iter = iter(batches)
+  tx = step_lib.make_optimizer(c.sft, c.sft.steps)
+  state = init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
+  sh = state_shardings(state)
+  train_step = jax.jit(functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx),
+                       in_shardings=(sh, ctx.batch_sh), out_shardings=(sh, None),
+                       donate_argnums=0)
+  mlog, elog = ctx.log("sft_metrics.jsonl"), ctx.log("eval.jsonl")
+  ckpt = ctx.checkpointer("sft")
+  start, state = _restore(ckpt, state, data_iter, mlog, elog)
+  eval_kw = dict(batch_size=c.eval.batch_size, max_new_tokens=c.decode.max_new_tokens,
+                 prompt_len=ctx.prompt_len, sharding=ctx.batch_sh)
 
   def run_eval(step):
-    res = evaluate(state["params"], pcfg, task, eval_examples, **eval_kw)
-    eval_log.write({"step": step, "accuracy": res["accuracy"], "samples": res["samples"]})
+    res = evaluate(state["params"], ctx.pcfg, ctx.task, ctx.eval_examples, **eval_kw)
+    elog.write({"step": step, "accuracy": res["accuracy"], "samples": res["samples"]})
     return res["accuracy"]
 
   if start == 0:
     run_eval(0)
-
-  # --- SFT
-  steps = config.sft.steps
+  steps = c.sft.steps
   last = min(steps, stop_after) if stop_after is not None else steps
   bar = tqdm(range(start, last), desc="sft", initial=start, total=steps, dynamic_ncols=True)
   t_last = time.time()
   for i in bar:
-    batch = jax.device_put(next(data_iter), batch_sh)
+    batch = jax.device_put(next(data_iter), ctx.batch_sh)
     state, metrics = train_step(state, batch)
     step = i + 1
-    if step % config.sft.log_every == 0 or step == steps:
+    if step % c.sft.log_every == 0 or step == steps:
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}
       now = time.time()
-      m.update(step=step, seconds_per_step=(now - t_last) / config.sft.log_every)
+      m.update(step=step, seconds_per_step=(now - t_last) / c.sft.log_every)
       t_last = now
-      metrics_log.write(m)
+      mlog.write(m)
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_acc=f"{m['token_accuracy']:.3f}")
-    if step % config.eval.every == 0 or step == steps:
-      acc = run_eval(step)
-      bar.write(f"step {step}: greedy test accuracy {acc:.3f}")
-    if step % config.checkpoint.every == 0 or step == steps:
+    if step % c.eval.every == 0 or step == steps:
+      bar.write(f"sft step {step}: greedy test accuracy {run_eval(step):.3f}")
+    if step % c.checkpoint.every == 0 or step == steps:
       ckpt.save(step, state, {"data_iter": data_iter.get_state()})
   bar.close()
   ckpt.close()
+  return state["params"], last == steps
 
-  # --- summary and plots
-  mrows, erows = metrics_log.read(), eval_log.read()
+
+def draft_phase(ctx: Context, params, stop_after: int | None = None):
+  """Distils the draft from the fixed SFT policy on the policy's own generations."""
+  c, dc = ctx.config, ctx.config.draft
+  tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
+  replicated = NamedSharding(ctx.mesh, P())
+
+  def init(p):
+    dparams = eagle3.init_params(ctx.dcfg, c.seed + 1, p, ctx.pcfg)
+    return {"step": jnp.zeros((), jnp.int32), "params": dparams, "opt_state": tx.init(dparams),
+            "key": jax.random.key_data(jax.random.key(c.seed + 2))}
+
+  state = jax.jit(init, out_shardings=replicated)(params)
+  prompts = iter(loader.prompt_dataset(ctx.train_src, ctx.tok, batch_size=dc.batch_size,
+                                       prompt_len=ctx.prompt_len, seed=c.data.shuffle_seed + 1))
+  step_fn = jax.jit(functools.partial(
+    draft_lib.draft_iteration, pcfg=ctx.pcfg, dcfg=ctx.dcfg, tx=tx,
+    max_new_tokens=c.decode.max_new_tokens, temperature=dc.rollout_temperature),
+    out_shardings=(replicated, None), donate_argnums=0)
+  mlog = ctx.log("draft_metrics.jsonl")
+  ckpt = ctx.checkpointer("draft")
+  start, state = _restore(ckpt, state, prompts, mlog)
+  steps = dc.pretrain_steps
+  last = min(steps, stop_after) if stop_after is not None else steps
+  bar = tqdm(range(start, last), desc="draft", initial=start, total=steps, dynamic_ncols=True)
+  for i in bar:
+    pb = next(prompts)
+    state, metrics = step_fn(state, params, *jax.device_put(
+      (pb["prompts"], pb["prompt_lengths"]), (ctx.batch_sh, ctx.batch_sh.update(
+        spec=P(ctx.batch_sh.spec[0])))))
+    step = i + 1
+    if step % dc.log_every == 0 or step == steps:
+      m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      m["step"] = step
+      mlog.write(m)
+      bar.set_postfix(loss=f"{m['draft_loss']:.3f}", acc0=f"{m['ttt_acc_0']:.3f}")
+    if step % c.checkpoint.every == 0 or step == steps:
+      ckpt.save(step, state, {"data_iter": prompts.get_state()})
+  bar.close()
+  ckpt.close()
+  return state["params"], last == steps
+
+
+def rollout_report(ctx: Context, params, dparams, *, temperature: float, repeats: int = 3):
+  """SD vs AR on the held-out prompts: tau, acceptance, tokens/s and greedy equality."""
+  c = ctx.config
+  B = c.eval.batch_size
+  exs = ctx.eval_examples[:B] + [ctx.eval_examples[-1]] * max(0, B - len(ctx.eval_examples))
+  prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  kw = dict(max_new_tokens=c.decode.max_new_tokens)
+  run_ar = lambda key, t: autoregressive.generate(params, ctx.pcfg, prompts, lengths, key,
+                                                  temperature=t, **kw)
+  run_sd = lambda key, t: speculative.generate(params, dparams, ctx.pcfg, ctx.dcfg, prompts,
+                                               lengths, key, temperature=t,
+                                               num_draft=c.decode.num_draft, **kw)
+  greedy_equal = float(np.mean(np.all(np.asarray(run_ar(jax.random.key(0), 0.0).tokens) ==
+                                      np.asarray(run_sd(jax.random.key(0), 0.0).tokens), axis=1)))
+  times = {"ar": [], "sd": []}
+  outs = {}
+  jax.block_until_ready(run_ar(jax.random.key(1), temperature))  # compile
+  jax.block_until_ready(run_sd(jax.random.key(1), temperature))
+  for r in range(repeats):  # interleaved
+    for name, fn in (("ar", run_ar), ("sd", run_sd)):
+      t0 = time.perf_counter()
+      outs[name] = jax.block_until_ready(fn(jax.random.key(10 + r), temperature))
+      times[name].append(time.perf_counter() - t0)
+  st = jax.device_get(outs["sd"].stats)
+  n_ar, n_sd = int(np.sum(outs["ar"].lengths)), int(np.sum(outs["sd"].lengths))
+  return {
+    "temperature": temperature,
+    "tau": float(st["tau_sum"] / max(st["row_rounds"], 1)),
+    "accept_per_position": (st["accept_counts"] / np.maximum(st["reach_counts"], 1)).tolist(),
+    "ar_tokens_per_s": n_ar / float(np.median(times["ar"])),
+    "sd_tokens_per_s": n_sd / float(np.median(times["sd"])),
+    "speedup": (n_sd / float(np.median(times["sd"]))) / (n_ar / float(np.median(times["ar"]))),
+    "sd_policy_passes_per_token": int(st["policy_passes"]) * B / max(n_sd, 1),
+    "ar_policy_passes_per_token": int(outs["ar"].stats["policy_passes"]) * B / max(n_ar, 1),
+    "greedy_equal": greedy_equal,
+  }
+
+
+def _plots(ctx: Context):
+  mrows, erows = ctx.log("sft_metrics.jsonl").read(), ctx.log("eval.jsonl").read()
+  drows = ctx.log("draft_metrics.jsonl").read()
+  pdir = os.path.join(ctx.workdir, "plots")
   if mrows:
-    plot_curves(os.path.join(workdir, "plots", "sft_loss.png"),
+    plot_curves(os.path.join(pdir, "sft_loss.png"),
                 {"loss": ([r["step"] for r in mrows], [r["loss"] for r in mrows])},
                 title="SFT loss", ylabel="cross-entropy (answer tokens)")
   if erows:
-    plot_curves(os.path.join(workdir, "plots", "eval_accuracy.png"),
+    plot_curves(os.path.join(pdir, "eval_accuracy.png"),
                 {"greedy": ([r["step"] for r in erows], [r["accuracy"] for r in erows])},
-                title=f"held-out greedy accuracy ({config.task.name})", ylabel="accuracy")
-  summary = {
-    "task": config.task.name,
-    "sft_steps": int(jax.device_get(state["step"])),
+                title=f"held-out greedy accuracy ({ctx.config.task.name})", ylabel="accuracy")
+  if drows:
+    K = ctx.dcfg.ttt_steps
+    plot_curves(os.path.join(pdir, "draft_ttt_acc.png"),
+                {f"step {k}": ([r["step"] for r in drows], [r[f"ttt_acc_{k}"] for r in drows])
+                 for k in range(0, K, max(1, K // 4))},
+                title="draft agreement with the policy (TTT steps)", ylabel="top-1 agreement")
+
+
+def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | None = None) -> dict:
+  """SFT -> draft pretraining -> SD report. Writes metrics, evals, plots and checkpoints.
+
+  Each phase checkpoints on its own and is skipped when already complete, so a killed run
+  resumes where it stopped. `stop_after=(phase, step)` ends the run early (to test resumption).
+  Returns the run summary (also written to `workdir/summary.json`).
+  """
+  t_start = time.time()
+  ctx = Context(config, workdir)
+  stop = dict([stop_after]) if stop_after else {}
+  params, done = sft_phase(ctx, stop.get("sft"))
+  summary = {"task": config.task.name, "layout": config.parallel.name}
+  dparams = None
+  if done and config.draft.pretrain_steps > 0:
+    dparams, done = draft_phase(ctx, params, stop.get("draft"))
+  if done and dparams is not None:
+    summary["rollout"] = rollout_report(ctx, params, dparams,
+                                        temperature=config.eval.sd_temperature)
+  _plots(ctx)
+  erows = ctx.log("eval.jsonl").read()
+  mrows = ctx.log("sft_metrics.jsonl").read()
+  drows = ctx.log("draft_metrics.jsonl").read()
+  summary.update({
+    "sft_steps": mrows[-1]["step"] if mrows else 0,
     "accuracy_before": erows[0]["accuracy"] if erows else None,
     "accuracy_after": erows[-1]["accuracy"] if erows else None,
     "final_loss": mrows[-1]["loss"] if mrows else None,
+    "draft_steps": drows[-1]["step"] if drows else 0,
+    "draft_loss": drows[-1]["draft_loss"] if drows else None,
     "wall_seconds": time.time() - t_start,
-    "layout": config.parallel.name,
-  }
+  })
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary

@@ -1,0 +1,302 @@
+"""Speculative decoding: TTT alignment, train/inference consistency of the draft, and
+losslessness (exact enumeration, chi-square, greedy equality, end-to-end two-sample test)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from specdraft.decode import autoregressive, rejection, speculative
+from specdraft.decode.sampling import join_prompt_completion
+from specdraft.model import eagle3
+from specdraft.model import policy as pol
+
+
+def small_models(V=16, L=4, std=0.02, seed=0, ttt_steps=4):
+  pcfg = pol.PolicyConfig(vocab_size=V, d_model=32, n_layers=L, n_heads=2, n_kv_heads=1,
+                          head_dim=16, d_ff=64, init_std=std)
+  dcfg = eagle3.DraftConfig(d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2,
+                            n_kv_heads=1, head_dim=16, d_ff=64, ttt_steps=ttt_steps, init_std=std)
+  params = pol.init_params(pcfg, seed)
+  params["embed"] = params["embed"] * 3.0  # sharper, more varied distributions
+  dparams = eagle3.init_params(dcfg, seed + 1, params, pcfg)
+  return pcfg, dcfg, params, dparams
+
+
+# ----------------------------------------------------------------------------- TTT
+
+
+def test_ttt_inputs_and_targets_by_hand():
+  tokens = jnp.array([[10, 11, 12, 13, 14, 15, 16]])
+  seg = jnp.array([[1, 1, 1, 1, 1, 2, 2]])
+  mask = jnp.array([[0, 0, 1, 1, 1, 1, 1]], jnp.float32)
+  toks, w = eagle3.ttt_targets(tokens, seg, mask, 3)
+  # step k at anchor t reads token t+1+k (same document, else 0)
+  np.testing.assert_array_equal(toks[0, 0], [11, 12, 13, 14, 0, 16, 0])
+  np.testing.assert_array_equal(toks[1, 0], [12, 13, 14, 0, 0, 0, 0])
+  np.testing.assert_array_equal(toks[2, 0], [13, 14, 0, 0, 0, 0, 0])
+  # ... and is weighted by token t+2+k being a loss token of the same document
+  np.testing.assert_array_equal(w[0, 0], [1, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(w[1, 0], [1, 1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(w[2, 0], [1, 0, 0, 0, 0, 0, 0])
+  # the policy distribution that supervises step k at anchor t is the one at t+1+k
+  logits = jax.nn.one_hot(jnp.arange(7), 7)[None] * 10.0
+  tgt = eagle3.shift_within_segment_logits(logits, seg, 2)
+  assert int(jnp.argmax(tgt[0, 0])) == 2 and int(jnp.argmax(tgt[0, 3])) == 5
+
+
+def test_ttt_branches_equal_autoregressive_drafting():
+  """TTT step k at anchor t == drafting k steps after t with the draft's KV cache."""
+  pcfg, dcfg, params, dparams = small_models(ttt_steps=4)
+  S = 10
+  tokens = jax.random.randint(jax.random.key(1), (1, S), 3, 16)
+  seg = jnp.ones((1, S), jnp.int32)
+  pos = jnp.arange(S)[None]
+  _, taps = pol.forward(params, pcfg, tokens)
+  logits = eagle3.ttt_forward(dparams, dcfg, params["embed"], taps.layers, tokens, pos, seg)
+  feats = eagle3.fuse(dparams, taps.layers, dcfg)
+  for t in (0, 3, 5):
+    cache = eagle3.init_cache(dcfg, 1, 32)
+    lg, h, cache = eagle3.step(dparams, dcfg, params["embed"], cache, feats[:, :t + 1],
+                               tokens[:, 1:t + 2])
+    np.testing.assert_allclose(lg[0, t], logits[0, 0, t], atol=2e-5)
+    h = h[:, t:t + 1]
+    for k in range(1, 4):
+      lg, h, cache = eagle3.step(dparams, dcfg, params["embed"], cache, h,
+                                 tokens[:, t + 1 + k:t + 2 + k])
+      np.testing.assert_allclose(lg[0, 0], logits[k, 0, t], atol=2e-5)
+
+
+def test_ttt_loss_decreases_and_ignores_policy_gradient():
+  from specdraft.train import draft as draft_lib
+
+  pcfg, dcfg, params, dparams = small_models()
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, 16)
+  batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(12), (2, 12)),
+           "segment_ids": jnp.ones((2, 12), jnp.int32), "loss_mask": jnp.ones((2, 12))}
+  g_policy = jax.grad(lambda p: draft_lib.draft_loss_on_batch(dparams, p, pcfg, dcfg, batch)[0])(
+    params)
+  assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g_policy))
+  import optax
+  tx = optax.adam(3e-3)
+  st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
+  f = jax.jit(lambda s: draft_lib.draft_train_step(s, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx))
+  first = None
+  for _ in range(30):
+    st, m = f(st)
+    first = first if first is not None else float(m["draft_loss"])
+  assert float(m["draft_loss"]) < 0.7 * first
+
+
+# ----------------------------------------------------------------------------- rejection sampling
+
+
+def _tables(V, G, seed, overlap=0.6):
+  rng = np.random.default_rng(seed)
+  p = rng.dirichlet(np.ones(V), size=G + 1)
+  q = overlap * p[:G] + (1 - overlap) * rng.dirichlet(np.ones(V), size=G)
+  return p, q
+
+
+def broken_rejection_sample(key, draft_tokens, draft_probs, target_probs):
+  """The classic bug: after a rejection, resample from p instead of the residual."""
+  B, G = draft_tokens.shape
+  tokens, n = rejection.rejection_sample(key, draft_tokens, draft_probs, target_probs)
+  fixed = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(target_probs[:, :G]))
+  idx = jnp.arange(G + 1)[None]
+  wrong = jnp.concatenate([fixed, tokens[:, G:]], axis=1)
+  return jnp.where((idx == n[:, None]) & (n[:, None] < G), wrong, tokens), n
+
+
+def _chi2_per_position(sampler, V=6, G=3, B=120_000, seed=0):
+  p, q = _tables(V, G, seed)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.categorical(k1, jnp.log(jnp.asarray(q, jnp.float32)), shape=(B, G))
+  toks, n = jax.jit(sampler)(k2, x, jnp.broadcast_to(jnp.asarray(q, jnp.float32), (B, G, V)),
+                             jnp.broadcast_to(jnp.asarray(p, jnp.float32), (B, G + 1, V)))
+  toks, n = np.asarray(toks), np.asarray(n)
+  pvals = []
+  for i in range(G + 1):
+    reached = n >= i
+    counts = np.bincount(toks[reached, i], minlength=V)
+    pvals.append(stats.chisquare(counts, p[i] * reached.sum()).pvalue)
+    assert reached.sum() > 2000  # every position is reached often enough to test
+  return pvals
+
+
+def test_rejection_sample_chi_square_per_position():
+  pvals = _chi2_per_position(rejection.rejection_sample)
+  assert min(pvals) > 1e-4, pvals
+
+
+def test_chi_square_has_power_against_the_classic_bug():
+  pvals = _chi2_per_position(broken_rejection_sample)
+  assert min(pvals) < 1e-8, pvals
+
+
+def test_rejection_sample_output_format():
+  V, G, B = 5, 4, 64
+  p, q = _tables(V, G, 1)
+  x = jax.random.categorical(jax.random.key(0), jnp.log(jnp.asarray(q)), shape=(B, G))
+  toks, n = rejection.rejection_sample(jax.random.key(1), x, jnp.broadcast_to(q, (B, G, V)),
+                                       jnp.broadcast_to(p, (B, G + 1, V)))
+  toks, n, x = np.asarray(toks), np.asarray(n), np.asarray(x)
+  assert toks.dtype == np.int32 and toks.shape == (B, G + 1)
+  for b in range(B):
+    np.testing.assert_array_equal(toks[b, :n[b]], x[b, :n[b]])
+    assert 0 <= toks[b, n[b]] < V
+    assert np.all(toks[b, n[b] + 1:] == -1)
+
+
+def test_deterministic_draft_is_greedy_exact():
+  """With one-hot targets and a deterministic draft, the output is the target's argmax chain."""
+  V, G, B = 7, 3, 32
+  rng = np.random.default_rng(0)
+  target = rng.integers(0, V, (B, G + 1))
+  draft = np.where(rng.random((B, G)) < 0.6, target[:, :G], (target[:, :G] + 1) % V)
+  toks, n = rejection.rejection_sample(jax.random.key(0), jnp.asarray(draft, jnp.int32), None,
+                                       jax.nn.one_hot(target, V))
+  for b in range(B):
+    m = 0
+    while m < G and draft[b, m] == target[b, m]:
+      m += 1
+    assert int(n[b]) == m
+    np.testing.assert_array_equal(np.asarray(toks[b, :m + 1]), target[b, :m + 1])
+
+
+def _table(prefix, V, salt):
+  rng = np.random.default_rng([salt, len(prefix)] + list(prefix))
+  return rng.dirichlet(np.ones(V) * 0.7)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_exact_enumeration_of_sd_output_distribution(deterministic):
+  """The whole multi-round SD process, computed exactly in float64 from the implementation's
+  acceptance probabilities and final distributions, equals the target's distribution."""
+  V, G, H = 3, 2, 4
+  p_of = lambda s: _table(s, V, 1)
+  q_of = lambda s: np.eye(V)[int(np.argmax(_table(s, V, 2)))] if deterministic else _table(s, V, 2)
+
+  with jax.enable_x64(True):
+    def round_outcomes(s):
+      """[(emitted tuple, prob)] of one SD round from prefix s."""
+      out = []
+      for x in itertools.product(range(V), repeat=G):
+        qs = [q_of(s + x[:i]) for i in range(G)]
+        px = np.prod([qs[i][x[i]] for i in range(G)])
+        if px == 0:
+          continue
+        ps = np.stack([p_of(s + x[:i]) for i in range(G + 1)])
+        args = (jnp.asarray([x], jnp.int32), None if deterministic else jnp.asarray([qs]),
+                jnp.asarray([ps]))
+        alpha = np.asarray(rejection.acceptance_probs(*args))[0]
+        final = np.asarray(rejection.final_distributions(*args))[0]
+        assert alpha.dtype == np.float64
+        reach = 1.0
+        for n in range(G + 1):
+          stop = (1 - alpha[n]) if n < G else 1.0
+          for y in range(V):
+            pr = px * reach * stop * final[n, y]
+            if pr > 0:
+              out.append((x[:n] + (y,), pr))
+          if n < G:
+            reach *= alpha[n]
+      return out
+
+    dist = {}
+
+    def run(s, pr):
+      if len(s) >= H:
+        dist[s[:H]] = dist.get(s[:H], 0.0) + pr
+        return
+      for em, pe in round_outcomes(s):
+        run(s + em, pr * pe)
+
+    run((), 1.0)
+  target = {}
+  for y in itertools.product(range(V), repeat=H):
+    target[y] = np.prod([p_of(y[:i])[y[i]] for i in range(H)])
+  assert abs(sum(dist.values()) - 1) < 1e-12
+  for y in target:
+    assert abs(dist.get(y, 0.0) - target[y]) < 1e-12, (y, dist.get(y), target[y])
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_sd_logprobs_match_recompute_and_format():
+  pcfg, dcfg, params, dparams = small_models(V=16)
+  prompts = jnp.array([[1, 5, 6, 7], [1, 8, 0, 0], [1, 9, 10, 0]], jnp.int32)
+  lengths = jnp.array([4, 2, 3], jnp.int32)
+  gen = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(3),
+                             max_new_tokens=9, temperature=1.0, num_draft=3)
+  batch = join_prompt_completion(prompts, lengths, gen)
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"],
+                          batch["segment_ids"])
+  lp = jax.nn.log_softmax(logits, -1)
+  for b in range(3):
+    n, P = int(gen.lengths[b]), int(lengths[b])
+    assert 1 <= n <= 9
+    for i in range(n):
+      tok = int(gen.tokens[b, i])
+      np.testing.assert_allclose(gen.logprobs[b, i], lp[b, P + i - 1, tok], atol=1e-5)
+    assert np.all(np.asarray(gen.tokens[b, n:]) == 0) and np.all(np.asarray(gen.logprobs[b, n:]) == 0)
+  st = jax.device_get(gen.stats)
+  assert st["row_rounds"] > 0 and np.all(st["accept_counts"] <= st["reach_counts"])
+
+
+def _histogram(tokens):
+  keys, counts = np.unique(np.asarray(tokens), axis=0, return_counts=True)
+  return {tuple(k): c for k, c in zip(keys.tolist(), counts)}
+
+
+def _two_sample_pvalue(a, b, min_expected=5):
+  ha, hb = _histogram(a), _histogram(b)
+  cats = sorted(set(ha) | set(hb))
+  table = np.array([[ha.get(c, 0) for c in cats], [hb.get(c, 0) for c in cats]], float)
+  big = table.sum(0) >= 2 * min_expected
+  table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+  table = table[:, table.sum(0) > 0]
+  return stats.chi2_contingency(table).pvalue
+
+
+@pytest.fixture(scope="module")
+def two_sample_setup():
+  V = 6
+  pcfg = pol.PolicyConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1,
+                          head_dim=16, d_ff=64, init_std=0.3, tie_embeddings=False)
+  dcfg = eagle3.DraftConfig(d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2,
+                            n_kv_heads=1, head_dim=16, d_ff=64, ttt_steps=2, init_std=0.3)
+  params = pol.init_params(pcfg, 4)
+  # A spread-out policy and a draft that is related to it but clearly different.
+  params["head"] = jax.random.normal(jax.random.key(9), params["head"].shape) * 0.3
+  dparams = eagle3.init_params(dcfg, 5, params, pcfg)
+  dparams["head"] = params["head"] + 0.3 * jax.random.normal(jax.random.key(10),
+                                                              params["head"].shape)
+  B = 30_000
+  prompts = jnp.broadcast_to(jnp.array([1, 4, 5], jnp.int32), (B, 3))
+  lengths = jnp.full((B,), 3, jnp.int32)
+  ar = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(0),
+                               max_new_tokens=3, temperature=1.0)
+  return pcfg, dcfg, params, dparams, prompts, lengths, ar
+
+
+def test_sd_and_ar_sample_the_same_distribution(two_sample_setup):
+  pcfg, dcfg, params, dparams, prompts, lengths, ar = two_sample_setup
+  sd = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(1),
+                            max_new_tokens=3, temperature=1.0, num_draft=2)
+  st = jax.device_get(sd.stats)
+  rate = st["accept_counts"][0] / st["reach_counts"][0]
+  assert 0.1 < rate < 0.95  # both acceptances and rejections are exercised
+  assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
+
+
+def test_two_sample_test_has_power_against_a_broken_sampler(two_sample_setup):
+  pcfg, dcfg, params, dparams, prompts, lengths, ar = two_sample_setup
+  bad = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(1),
+                             max_new_tokens=3, temperature=1.0, num_draft=2,
+                             sampler=broken_rejection_sample)
+  assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6
