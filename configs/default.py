@@ -16,6 +16,7 @@ SIZES = {
   "micro": (32, 4, 2, 1, 16, 64),
   "tiny": (128, 4, 4, 2, 32, 384),
   "small": (256, 8, 8, 2, 32, 768),
+  "bench": (192, 12, 6, 2, 32, 512),  # a dozen layers: a draft pass ~1/10 of a policy pass
   "base": (512, 12, 8, 4, 64, 1536),
 }
 
@@ -35,7 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict(dict(
     name=arg.task, seed=1234, num_train=20000, num_test=256,
-    arithmetic=dict(min_digits=1, max_digits=3, num_operands=2, scratchpad=True),
+    arithmetic=dict(min_digits=1, max_digits=3, num_operands=2, formats="columns",
+                    reward_format=""),
     countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
     jsonl=dict(path="")))
 
@@ -50,7 +52,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.draft = ml_collections.ConfigDict(dict(
     kind="eagle3", n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0, ttt_steps=7, ttt_decay=0.8,
     pretrain_steps=300, batch_size=32, rollout_temperature=1.0, lr=3e-3, warmup_steps=20,
-    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20))
+    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20, cotrain_lr=1e-3))
+
+  # GRPO with speculative rollouts and the co-training step L = L_RL + lam * L_draft.
+  c.rl = ml_collections.ConfigDict(dict(
+    steps=30, prompts_per_step=8, group_size=8, temperature=1.0, lr=2e-4, grad_clip=1.0,
+    b2=0.98, weight_decay=0.0, advantage="grpo", eps_low=0.2, eps_high=0.28,
+    aggregation="token-mean", beta=0.0, kl_estimator="k3", lam=1.0, eval_every=10,
+    max_new_tokens=0))  # 0: decode.max_new_tokens
+  # Rollout drafts: cotrained (SD, draft trained with the policy) | fixed (SD, frozen draft) |
+  # none (autoregressive).
+  c.rollout = ml_collections.ConfigDict(dict(draft="cotrained"))
 
   c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0, num_draft=5))
   c.eval = ml_collections.ConfigDict(dict(every=400, num_examples=256, batch_size=64,
@@ -68,4 +80,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.decode.max_new_tokens = 24
     c.draft.pretrain_steps, c.draft.batch_size, c.draft.log_every = 6, 8, 3
     c.draft.ttt_steps = 3
+    c.rl.steps, c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_every = 6, 2, 4, 3
   return c

@@ -1,4 +1,7 @@
-"""Main entry point: `python experiments/train.py --config=configs/default.py --workdir=runs/x`."""
+"""Main entry point: `python experiments/train.py --config=configs/default.py --workdir=runs/x`.
+
+SFT -> draft pretraining -> GRPO with co-trained speculative rollouts, then a summary table.
+"""
 
 import os
 import sys
@@ -8,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.train.loop import train_and_evaluate  # noqa: E402
+from specdraft.train.loop import summary_table, train_and_evaluate  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
@@ -18,9 +21,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  print("\nSummary")
-  for k, v in summary.items():
-    print(f"  {k:>16}: {v:.4f}" if isinstance(v, float) else f"  {k:>16}: {v}")
+  print(summary_table(summary))
 
 
 if __name__ == "__main__":

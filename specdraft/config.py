@@ -9,6 +9,9 @@ from specdraft.parallel.mesh import check_mesh
 from specdraft.tasks import TASKS, CharTokenizer, make_task
 
 
+ROLLOUT_DRAFTS = ("cotrained", "fixed", "none")
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """Parses 'size=tiny,layout=dp8,smoke' into a ConfigDict over `defaults`.
 
@@ -103,6 +106,26 @@ def validate(config, *, num_devices: int | None = None) -> None:
   if dec.num_draft < 1:
     _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
 
+  rl = config.rl
+  from specdraft.rl import grpo
+
+  if rl.advantage not in grpo.ADVANTAGES:
+    _fail("rl.advantage", rl.advantage, f"expected one of {grpo.ADVANTAGES}")
+  if rl.aggregation not in grpo.AGGREGATIONS:
+    _fail("rl.aggregation", rl.aggregation, f"expected one of {grpo.AGGREGATIONS}")
+  if rl.kl_estimator not in grpo.KL_ESTIMATORS:
+    _fail("rl.kl_estimator", rl.kl_estimator, f"expected one of {grpo.KL_ESTIMATORS}")
+  if rl.group_size < 1 or (rl.advantage == "rloo" and rl.group_size < 2):
+    _fail("rl.group_size", rl.group_size, "must be >= 1 (>= 2 for rloo)")
+  if rl.prompts_per_step < 1 or rl.steps < 0:
+    _fail("rl.prompts_per_step/steps", (rl.prompts_per_step, rl.steps), "need >= 1 and >= 0")
+  if rl.lam < 0 or rl.beta < 0:
+    _fail("rl.lam/beta", (rl.lam, rl.beta), "must be >= 0")
+  if config.rollout.draft not in ROLLOUT_DRAFTS:
+    _fail("rollout.draft", config.rollout.draft, f"expected one of {ROLLOUT_DRAFTS}")
+  if config.rollout.draft != "none" and config.draft.pretrain_steps == 0 and rl.steps > 0:
+    print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
+
   p = config.parallel
   if p.name not in layouts.LAYOUTS and p.name != "custom":
     _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
@@ -111,6 +134,9 @@ def validate(config, *, num_devices: int | None = None) -> None:
   if d.batch_size % dp:
     _fail("data.batch_size", d.batch_size, f"must be divisible by data*fsdp={dp} "
           f"(parallel.layout={p.name!r})")
+  if (rl.prompts_per_step * rl.group_size) % dp:
+    _fail("rl.prompts_per_step", rl.prompts_per_step,
+          f"prompts_per_step * group_size must be divisible by data*fsdp={dp}")
   if config.eval.batch_size % dp:
     _fail("eval.batch_size", config.eval.batch_size, f"must be divisible by data*fsdp={dp}")
   if CharTokenizer().vocab_size < 4:

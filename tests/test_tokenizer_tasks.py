@@ -26,7 +26,8 @@ def test_arithmetic_scratchpad_by_hand():
   t = Arithmetic()
   assert t.solve([57, 68]) == "7+8+0=15,5+6+1=12,1=1|125"
   assert t.solve([5, 3]) == "5+3+0=8|8"
-  assert Arithmetic(scratchpad=False).solve([57, 68]) == "125"
+  assert t.solve([57, 68], "direct") == "125"
+  assert t.solve([57, 68], "sums") == "15,12,1|125"
   assert Arithmetic(num_operands=3).solve([9, 9, 9]) == "9+9+9+0=27,2=2|27"
 
 
@@ -67,6 +68,22 @@ def test_countdown_parser_and_reward():
   assert t.reward(ex, "15+13-11") == 0.0  # wrong value
   assert Countdown(use_all=False).reward(Example("2,3,9->5:", ""), "2+3") == 1.0
   assert t.reward(Example("2,3,9->5:", ""), "2+3") == 0.0  # use_all
+
+
+def test_arithmetic_format_mixture_and_reward_format():
+  from specdraft.tasks.arithmetic import format_of
+
+  t = Arithmetic(formats="columns:0.8,sums:0.2", reward_format="sums")
+  rng = np.random.default_rng(0)
+  fmts = [format_of(t.sample(rng).answer) for _ in range(2000)]
+  assert set(fmts) == {"columns", "sums"}
+  assert 0.15 < fmts.count("sums") / len(fmts) < 0.25
+  ex = Example("57+68=", "")
+  assert t.reward(ex, "15,12,1|125") == 1.0
+  assert t.reward(ex, "7+8+0=15,5+6+1=12,1=1|125") == 0.0  # right answer, wrong format
+  assert format_of("125") == "direct"
+  with pytest.raises(ValueError, match="formats"):
+    Arithmetic(formats="columns,essay")
 
 
 def test_task_knob_errors():

@@ -95,3 +95,8 @@ def tree_shardings(logical_tree, shapes_tree, rules, mesh):
 def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a [B, ...] batch array: batch over the 'batch' rule's axes."""
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def shard_batch(tree, mesh, rules):
+  """device_put every [B, ...] leaf with its batch dimension sharded by the 'batch' rule."""
+  return jax.device_put(tree, jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim), tree))

@@ -1,7 +1,12 @@
 """Multi-digit addition with a worked, column-by-column scratchpad.
 
-Prompt `"57+68="`; answer `"7+8+0=15,5+6+1=12|125"`: each column lists its digits and the carry in,
-then the column sum; the final answer follows the last '|'.
+Prompt `"57+68="`. Answer formats:
+  columns: `"7+8+0=15,5+6+1=12,1=1|125"` (each column's digits and carry in, then its sum)
+  sums:    `"15,12,1|125"` (column sums only)
+  direct:  `"125"`
+`formats` is a mixture such as "columns" or "columns:0.95,sums:0.05" (SFT data mixes them);
+`reward_format` (if set) pays only for correct answers written in that format, which makes RL
+move the policy's output distribution (the drift experiment).
 """
 
 from __future__ import annotations
@@ -19,10 +24,26 @@ class Arithmetic:
   min_digits: int = 1
   max_digits: int = 3
   num_operands: int = 2
-  scratchpad: bool = True
+  formats: str = "columns"
+  reward_format: str = ""
   name: str = "arithmetic"
 
+  @property
+  def mixture(self) -> list[tuple[str, float]]:
+    out = []
+    for part in self.formats.split(","):
+      name, _, w = part.partition(":")
+      out.append((name.strip(), float(w) if w else 1.0))
+    return out
+
   def __post_init__(self):
+    for name, w in self.mixture:
+      if name not in FORMATS or w < 0:
+        raise ValueError(f"task.arithmetic.formats={self.formats!r}: each entry is "
+                         f"'<format>[:weight]' with a format in {FORMATS} and weight >= 0")
+    if self.reward_format and self.reward_format not in FORMATS:
+      raise ValueError(f"task.arithmetic.reward_format={self.reward_format!r} must be '' or one "
+                       f"of {FORMATS}")
     if not 1 <= self.min_digits <= self.max_digits:
       raise ValueError(f"task.arithmetic: need 1 <= min_digits <= max_digits, got "
                        f"{self.min_digits}, {self.max_digits}")
@@ -36,11 +57,14 @@ class Arithmetic:
       lo = 0 if d == 1 else 10 ** (d - 1)
       nums.append(int(rng.integers(lo, 10**d)))
     prompt = "+".join(map(str, nums)) + "="
-    return Example(prompt, self.solve(nums))
+    names = [n for n, _ in self.mixture]
+    w = np.asarray([w for _, w in self.mixture], float)
+    fmt = names[int(rng.choice(len(names), p=w / w.sum()))] if len(names) > 1 else names[0]
+    return Example(prompt, self.solve(nums, fmt))
 
-  def solve(self, nums: list[int]) -> str:
+  def solve(self, nums: list[int], fmt: str = "columns") -> str:
     total = sum(nums)
-    if not self.scratchpad:
+    if fmt == "direct":
       return str(total)
     width = max(len(str(n)) for n in nums)
     digits = [str(n).zfill(width)[::-1] for n in nums]
@@ -48,10 +72,10 @@ class Arithmetic:
     for col in range(width):
       ds = [int(d[col]) for d in digits]
       s = sum(ds) + carry
-      steps.append("+".join(map(str, ds)) + f"+{carry}={s}")
+      steps.append("+".join(map(str, ds)) + f"+{carry}={s}" if fmt == "columns" else str(s))
       carry = s // 10
     if carry:
-      steps.append(f"{carry}={carry}")
+      steps.append(f"{carry}={carry}" if fmt == "columns" else str(carry))
     return ",".join(steps) + f"|{total}"
 
   def reward(self, example: Example, completion: str) -> float:
@@ -59,8 +83,23 @@ class Arithmetic:
     if m is None:
       raise ValueError(f"not an arithmetic prompt: {example.prompt!r}")
     target = sum(int(x) for x in m.group(1).split("+"))
+    if self.reward_format and format_of(completion) != self.reward_format:
+      return 0.0
     return float(final_answer(completion) == str(target))
+
+  def format_of(self, completion: str) -> str:
+    return format_of(completion)
 
   def max_length(self) -> int:
     nums = [10**self.max_digits - 1] * self.num_operands
-    return len("+".join(map(str, nums)) + "=") + len(self.solve(nums))
+    return len("+".join(map(str, nums)) + "=") + max(len(self.solve(nums, f)) for f in FORMATS)
+
+
+FORMATS = ("columns", "sums", "direct")
+
+
+def format_of(completion: str) -> str:
+  """Which answer format a completion uses."""
+  if "|" not in completion:
+    return "direct"
+  return "columns" if "=" in completion.split("|", 1)[0] else "sums"

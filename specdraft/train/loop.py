@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 
 import jax
@@ -19,10 +20,12 @@ from tqdm.auto import tqdm
 
 from specdraft import config as config_lib
 from specdraft.decode import autoregressive, speculative
+from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
-from specdraft.tasks import CharTokenizer, make_task
+from specdraft.rl import grpo
+from specdraft.tasks import CharTokenizer, Example, make_task
 from specdraft.tasks import datasets as task_data
 from specdraft.tasks import loader
 from specdraft.train import checkpoint as ckpt_lib
@@ -78,7 +81,7 @@ def evaluate(params, pcfg, task, examples, *, batch_size: int, max_new_tokens: i
     prompts, lengths = loader.prompt_batch(padded, tok, prompt_len)
     if sharding is not None:
       prompts, lengths = jax.device_put((prompts, lengths), (sharding, sharding.update(
-        spec=P(sharding.spec[0]))))
+        spec=P(*sharding.spec[:1]))))
     gen = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(0),
                                   max_new_tokens=max_new_tokens, temperature=0.0)
     toks = np.asarray(gen.tokens)
@@ -91,6 +94,12 @@ def evaluate(params, pcfg, task, examples, *, batch_size: int, max_new_tokens: i
 
 
 # ----------------------------------------------------------------------------- run files
+
+
+def progress(iterable, **kw):
+  """tqdm that redraws often on a terminal and rarely in a log file."""
+  return tqdm(iterable, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0,
+              **kw)
 
 
 class RunLog:
@@ -213,7 +222,7 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     run_eval(0)
   steps = c.sft.steps
   last = min(steps, stop_after) if stop_after is not None else steps
-  bar = tqdm(range(start, last), desc="sft", initial=start, total=steps, dynamic_ncols=True)
+  bar = progress(range(start, last), desc="sft", initial=start, total=steps)
   t_last = time.time()
   for i in bar:
     batch = jax.device_put(next(data_iter), ctx.batch_sh)
@@ -258,12 +267,11 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   start, state = _restore(ckpt, state, prompts, mlog)
   steps = dc.pretrain_steps
   last = min(steps, stop_after) if stop_after is not None else steps
-  bar = tqdm(range(start, last), desc="draft", initial=start, total=steps, dynamic_ncols=True)
+  bar = progress(range(start, last), desc="draft", initial=start, total=steps)
   for i in bar:
     pb = next(prompts)
-    state, metrics = step_fn(state, params, *jax.device_put(
-      (pb["prompts"], pb["prompt_lengths"]), (ctx.batch_sh, ctx.batch_sh.update(
-        spec=P(ctx.batch_sh.spec[0])))))
+    state, metrics = step_fn(state, params, *mesh_lib.shard_batch(
+      (pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules))
     step = i + 1
     if step % dc.log_every == 0 or step == steps:
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -275,6 +283,112 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   bar.close()
   ckpt.close()
   return state["params"], last == steps
+
+
+def _rollout_fn(ctx: Context, mode: str, max_new_tokens: int, temperature: float):
+  """(params, dparams, prompts, lengths, key) -> Generation, for rollout.draft = mode."""
+  if mode == "none":
+    return lambda p, d, pr, ln, k: autoregressive.generate(
+      p, ctx.pcfg, pr, ln, k, max_new_tokens=max_new_tokens, temperature=temperature)
+  return lambda p, d, pr, ln, k: speculative.generate(
+    p, d, ctx.pcfg, ctx.dcfg, pr, ln, k, max_new_tokens=max_new_tokens, temperature=temperature,
+    num_draft=ctx.config.decode.num_draft)
+
+
+def _scalar_metrics(metrics) -> dict:
+  return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+
+
+def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
+  """GRPO with speculative rollouts and the one-step co-training of policy and draft.
+
+  rollout.draft: cotrained (SD; the draft trains with the policy), fixed (SD; frozen draft),
+  none (autoregressive rollouts; the draft is not trained). Returns (state, finished).
+  """
+  c, rl = ctx.config, ctx.config.rl
+  mode = c.rollout.draft
+  train_draft = mode == "cotrained"
+  G, n_prompts = rl.group_size, rl.prompts_per_step
+  N = rl.max_new_tokens or c.decode.max_new_tokens
+  tx = step_lib.make_cotrain_optimizer(rl, c.draft, train_draft=train_draft)
+  replicated = NamedSharding(ctx.mesh, P())
+
+  def init(p, d):
+    trainable = {"policy": p, "draft": d}
+    return {"step": jnp.zeros((), jnp.int32), "params": trainable, "opt_state": tx.init(trainable),
+            "key": jax.random.key_data(jax.random.key(c.seed + 3))}
+
+  state = jax.jit(init)(params, dparams)
+  ref_params = params if rl.beta > 0 else None
+  step_fn = jax.jit(functools.partial(
+    step_lib.cotrain_step, pcfg=ctx.pcfg, dcfg=ctx.dcfg, rl_cfg=rl, tx=tx, lam=rl.lam,
+    train_draft=train_draft), donate_argnums=0)
+  rollout = _rollout_fn(ctx, mode, N, rl.temperature)
+
+  @jax.jit
+  def rollout_step(trainable, key_data, prompts, lengths):
+    key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
+    gen = rollout(trainable["policy"], trainable["draft"], prompts, lengths, sub)
+    return gen, join_prompt_completion(prompts, lengths, gen), jax.random.key_data(key)
+
+  prompts = iter(loader.prompt_dataset(ctx.train_src, ctx.tok, batch_size=n_prompts,
+                                       prompt_len=ctx.prompt_len, seed=c.data.shuffle_seed + 2))
+  mlog, elog = ctx.log("metrics.jsonl"), ctx.log("rl_eval.jsonl")
+  ckpt = ctx.checkpointer("rl")
+  start, state = _restore(ckpt, state, prompts, mlog, elog)
+  eval_kw = dict(batch_size=c.eval.batch_size, max_new_tokens=c.decode.max_new_tokens,
+                 prompt_len=ctx.prompt_len, sharding=ctx.batch_sh)
+  if start == 0:
+    res = evaluate(state["params"]["policy"], ctx.pcfg, ctx.task, ctx.eval_examples, **eval_kw)
+    elog.write({"step": 0, "accuracy": res["accuracy"]})
+  last = min(rl.steps, stop_after) if stop_after is not None else rl.steps
+  bar = progress(range(start, last), desc=f"rl ({mode})", initial=start, total=rl.steps)
+  for i in bar:
+    pb = next(prompts)
+    pr = np.repeat(pb["prompts"], G, axis=0)
+    ln = np.repeat(pb["prompt_lengths"], G, axis=0)
+    t0 = time.perf_counter()
+    gen, batch, key_data = jax.block_until_ready(
+      rollout_step(state["params"], state["key"], *jax.device_put((pr, ln), replicated)))
+    rollout_s = time.perf_counter() - t0
+    texts = [ctx.tok.decode(row) for row in np.asarray(gen.tokens)]
+    exs = [Example(str(p), str(a)) for p, a in zip(np.repeat(pb["prompt_text"], G),
+                                                   np.repeat(pb["answer_text"], G))]
+    rewards = np.asarray([ctx.task.reward(e, t) for e, t in zip(exs, texts)], np.float32)
+    batch = dict(batch, advantages=grpo.group_advantages(jnp.asarray(rewards), G,
+                                                         mode=rl.advantage))
+    state = dict(state, key=key_data)
+    t1 = time.perf_counter()
+    state, metrics = jax.block_until_ready(step_fn(state, mesh_lib.shard_batch(batch, ctx.mesh, ctx.rules)))
+    train_s = time.perf_counter() - t1
+    st = jax.device_get(gen.stats)
+    ntok = int(np.sum(gen.lengths))
+    m = _scalar_metrics(metrics)
+    m.update(step=i + 1, reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards > 0)),
+             rollout_seconds=rollout_s, train_seconds=train_s,
+             policy_passes_per_token=int(st["policy_passes"]) * len(rewards) / max(ntok, 1),
+             mean_length=ntok / len(rewards))
+    if "tau_sum" in st:
+      m["accept_len"] = float(st["tau_sum"] / max(st["row_rounds"], 1))
+      m["accept_per_position"] = (st["accept_counts"] / np.maximum(st["reach_counts"], 1)).tolist()
+    else:
+      m["accept_len"], m["accept_per_position"] = 1.0, []
+    m.setdefault("draft_loss", None)
+    if hasattr(ctx.task, "format_of"):
+      fmts = [ctx.task.format_of(t) for t in texts]
+      m["format_share"] = {f: fmts.count(f) / len(fmts) for f in sorted(set(fmts))}
+    mlog.write(m)
+    bar.set_postfix(reward=f"{m['reward_mean']:.2f}", tau=f"{m['accept_len']:.2f}")
+    step = i + 1
+    if step % rl.eval_every == 0 or step == rl.steps:
+      res = evaluate(state["params"]["policy"], ctx.pcfg, ctx.task, ctx.eval_examples, **eval_kw)
+      elog.write({"step": step, "accuracy": res["accuracy"]})
+      bar.write(f"rl step {step}: greedy test accuracy {res['accuracy']:.3f}")
+    if step % c.checkpoint.every == 0 or step == rl.steps:
+      ckpt.save(step, state, {"data_iter": prompts.get_state()})
+  bar.close()
+  ckpt.close()
+  return state, last == rl.steps
 
 
 def rollout_report(ctx: Context, params, dparams, *, temperature: float, repeats: int = 3):
@@ -327,6 +441,15 @@ def _plots(ctx: Context):
     plot_curves(os.path.join(pdir, "eval_accuracy.png"),
                 {"greedy": ([r["step"] for r in erows], [r["accuracy"] for r in erows])},
                 title=f"held-out greedy accuracy ({ctx.config.task.name})", ylabel="accuracy")
+  rrows = ctx.log("metrics.jsonl").read()
+  if rrows:
+    steps = [r["step"] for r in rrows]
+    plot_curves(os.path.join(pdir, "reward.png"),
+                {"reward": (steps, [r["reward_mean"] for r in rrows])},
+                title=f"RL reward (rollout.draft={ctx.config.rollout.draft})", ylabel="mean reward")
+    plot_curves(os.path.join(pdir, "accept_len.png"),
+                {"tau": (steps, [r["accept_len"] for r in rrows])},
+                title="accepted length per SD round (tau)", ylabel="tau")
   if drows:
     K = ctx.dcfg.ttt_steps
     plot_curves(os.path.join(pdir, "draft_ttt_acc.png"),
@@ -336,36 +459,72 @@ def _plots(ctx: Context):
 
 
 def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | None = None) -> dict:
-  """SFT -> draft pretraining -> SD report. Writes metrics, evals, plots and checkpoints.
+  """SFT -> draft pretraining -> RL with (co-trained) speculative rollouts -> SD report.
 
   Each phase checkpoints on its own and is skipped when already complete, so a killed run
   resumes where it stopped. `stop_after=(phase, step)` ends the run early (to test resumption).
-  Returns the run summary (also written to `workdir/summary.json`).
+  Writes metrics, evals, plots and checkpoints; returns the run summary (also in
+  `workdir/summary.json`).
   """
   t_start = time.time()
   ctx = Context(config, workdir)
   stop = dict([stop_after]) if stop_after else {}
   params, done = sft_phase(ctx, stop.get("sft"))
-  summary = {"task": config.task.name, "layout": config.parallel.name}
-  dparams = None
+  dparams = jax.jit(lambda p: eagle3.init_params(ctx.dcfg, config.seed + 1, p, ctx.pcfg))(params)
   if done and config.draft.pretrain_steps > 0:
     dparams, done = draft_phase(ctx, params, stop.get("draft"))
-  if done and dparams is not None:
+  if done and config.rl.steps > 0:
+    state, done = rl_phase(ctx, params, dparams, stop.get("rl"))
+    params, dparams = state["params"]["policy"], state["params"]["draft"]
+  summary = {"task": config.task.name, "layout": config.parallel.name,
+             "rollout_draft": config.rollout.draft}
+  if done and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
     summary["rollout"] = rollout_report(ctx, params, dparams,
                                         temperature=config.eval.sd_temperature)
   _plots(ctx)
-  erows = ctx.log("eval.jsonl").read()
-  mrows = ctx.log("sft_metrics.jsonl").read()
-  drows = ctx.log("draft_metrics.jsonl").read()
+  read = lambda name: ctx.log(name).read()
+  erows, mrows, drows = read("eval.jsonl"), read("sft_metrics.jsonl"), read("draft_metrics.jsonl")
+  rrows, rerows = read("metrics.jsonl"), read("rl_eval.jsonl")
   summary.update({
     "sft_steps": mrows[-1]["step"] if mrows else 0,
     "accuracy_before": erows[0]["accuracy"] if erows else None,
-    "accuracy_after": erows[-1]["accuracy"] if erows else None,
-    "final_loss": mrows[-1]["loss"] if mrows else None,
+    "accuracy_after_sft": erows[-1]["accuracy"] if erows else None,
     "draft_steps": drows[-1]["step"] if drows else 0,
     "draft_loss": drows[-1]["draft_loss"] if drows else None,
-    "wall_seconds": time.time() - t_start,
+    "rl_steps": rrows[-1]["step"] if rrows else 0,
   })
+  if rrows:
+    k = max(1, len(rrows) // 5)  # average the first and last fifth: single steps are noisy
+    mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
+    summary.update({
+      "reward_first": mean(rrows[:k], "reward_mean"), "reward_last": mean(rrows[-k:], "reward_mean"),
+      "tau_first": mean(rrows[:k], "accept_len"), "tau_last": mean(rrows[-k:], "accept_len"),
+      "accuracy_after_rl": rerows[-1]["accuracy"] if rerows else None,
+    })
+  summary["wall_seconds"] = time.time() - t_start
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return summary
+
+
+def summary_table(summary: dict) -> str:
+  """A human-readable table of a run's summary."""
+  f = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+  rows = [("task", summary.get("task")), ("rollout draft", summary.get("rollout_draft")),
+          ("greedy accuracy: before SFT", summary.get("accuracy_before")),
+          ("greedy accuracy: after SFT", summary.get("accuracy_after_sft")),
+          ("greedy accuracy: after RL", summary.get("accuracy_after_rl")),
+          ("RL reward: first steps", summary.get("reward_first")),
+          ("RL reward: last steps", summary.get("reward_last")),
+          ("tau: first RL steps", summary.get("tau_first")),
+          ("tau: last RL steps", summary.get("tau_last"))]
+  r = summary.get("rollout")
+  if r:
+    rows += [(f"SD vs AR (T={r['temperature']}): tau", r["tau"]),
+             ("SD vs AR: rollout speedup", r["speedup"]),
+             ("SD vs AR: policy passes/token", f"{r['sd_policy_passes_per_token']:.3f} vs "
+                                               f"{r['ar_policy_passes_per_token']:.3f}"),
+             ("greedy SD == AR (fraction of rows)", r["greedy_equal"])]
+  rows.append(("wall time (s)", summary.get("wall_seconds")))
+  w = max(len(k) for k, _ in rows)
+  return "\n".join(["", "Summary", "-" * (w + 14)] + [f"{k:<{w}}  {f(v)}" for k, v in rows])

@@ -56,3 +56,86 @@ def sft_step(state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransform
   params = optax.apply_updates(state["params"], updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
   return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+
+# ----------------------------------------------------------------------------- co-training
+
+
+def _adamw(cfg, lr):
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                     optax.adamw(lr, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+def make_cotrain_optimizer(rl_cfg, draft_cfg, *, train_draft: bool = True):
+  """One optax update for both parameter sets: per-partition clipping and learning rates, so the
+  draft's large early gradients never shrink the policy update through a shared global clip."""
+  draft_tx = (optax.chain(optax.clip_by_global_norm(draft_cfg.grad_clip),
+                          optax.adamw(draft_cfg.cotrain_lr, b2=draft_cfg.b2,
+                                      weight_decay=draft_cfg.weight_decay))
+              if train_draft else optax.set_to_zero())
+  labels = lambda params: {k: jax.tree.map(lambda _: k, v) for k, v in params.items()}
+  return optax.multi_transform({"policy": _adamw(rl_cfg, rl_cfg.lr), "draft": draft_tx}, labels)
+
+
+def completion_logprobs(logits_BSV, tokens_BS):
+  """log pi(x_i | x_<i) at each token position i (0 at i = 0)."""
+  lp = token_logprobs(logits_BSV[:, :-1], tokens_BS[:, 1:])
+  return jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp], axis=1)
+
+
+def entropy_of(logits_BSV, mask_BS):
+  """Mean policy entropy over the positions that predict masked tokens."""
+  lp = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), -1)
+  ent = -jnp.sum(jnp.exp(lp) * lp, -1)
+  ent = jnp.concatenate([jnp.zeros_like(ent[:, :1]), ent[:, :-1]], axis=1)
+  m = mask_BS.astype(jnp.float32)
+  return jnp.sum(ent * m) / jnp.maximum(m.sum(), 1.0)
+
+
+def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draft: bool = True,
+                 ref_params=None, stop_tap_gradient: bool = True):
+  """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
+
+  `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
+  positions, segment_ids, loss_mask on completion tokens), behaviour `logprobs` and `advantages`.
+  """
+  from specdraft.model import eagle3
+  from specdraft.rl import grpo
+
+  theta, phi = trainable["policy"], trainable["draft"]
+  logits, taps = pol.forward(theta, pcfg, batch["tokens"], batch["positions"],
+                             batch["segment_ids"], stop_tap_gradient=stop_tap_gradient)
+  logp = completion_logprobs(logits, batch["tokens"])
+  ref_logp = None
+  if ref_params is not None and rl_cfg.beta > 0:
+    ref_logits, _ = pol.forward(jax.lax.stop_gradient(ref_params), pcfg, batch["tokens"],
+                                batch["positions"], batch["segment_ids"])
+    ref_logp = completion_logprobs(ref_logits, batch["tokens"])
+  rl_loss, metrics = grpo.policy_loss(
+    logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], eps_low=rl_cfg.eps_low,
+    eps_high=rl_cfg.eps_high, aggregation=rl_cfg.aggregation,
+    max_tokens=batch["tokens"].shape[1], ref_logp_NS=ref_logp, beta=rl_cfg.beta,
+    kl_estimator=rl_cfg.kl_estimator)
+  metrics["entropy"] = jax.lax.stop_gradient(entropy_of(logits, batch["loss_mask"]))
+  total = rl_loss
+  if train_draft:
+    draft_loss, dm = eagle3.ttt_loss(phi, dcfg, theta["embed"], taps.layers,
+                                     jax.lax.stop_gradient(logits), batch["tokens"],
+                                     batch["positions"], batch["segment_ids"], batch["loss_mask"])
+    metrics.update(dm)
+    total = total + lam * draft_loss
+  metrics["loss"] = total
+  return total, metrics
+
+
+def cotrain_step(state, batch, *, pcfg, dcfg, rl_cfg, tx, lam: float, train_draft: bool = True,
+                 ref_params=None, stop_tap_gradient: bool = True):
+  """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}."""
+  (_, metrics), grads = jax.value_and_grad(cotrain_loss, has_aux=True)(
+    state["params"], batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
+    train_draft=train_draft, ref_params=ref_params, stop_tap_gradient=stop_tap_gradient)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
+  metrics["draft_grad_norm"] = optax.tree.norm(grads["draft"])
+  params = optax.apply_updates(state["params"], updates)
+  return {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics

@@ -1,0 +1,24 @@
+"""SD vs AR rollout benchmark. See configs/bench_rollout.py for the command."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from specdraft.bench import rollout  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_rollout.py", "Bench config.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/bench_rollout", "Output directory.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  rollout.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

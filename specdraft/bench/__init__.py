@@ -1,0 +1,1 @@
+"""Benchmarks behind the thin entry points in experiments/."""

@@ -1,0 +1,89 @@
+"""GRPO: group-relative advantages, the clipped importance-ratio loss, aggregation modes and an
+optional KL penalty to a reference policy.
+
+Shape letters: N rollouts (= prompts x group size), S tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ADVANTAGES = ("grpo", "drgrpo", "rloo")
+AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def group_advantages(rewards_N, group_size: int, *, mode: str = "grpo", eps: float = 1e-6):
+  """Advantages for rollouts laid out as consecutive groups of `group_size` per prompt.
+
+  grpo: (r - mean_g) / (std_g + eps) (population std); drgrpo: r - mean_g (no std);
+  rloo: r - mean of the other members of the group.
+  """
+  if mode not in ADVANTAGES:
+    raise ValueError(f"rl.advantage={mode!r} is invalid; expected one of {ADVANTAGES}")
+  N = rewards_N.shape[0]
+  if N % group_size:
+    raise ValueError(f"{N} rollouts are not a whole number of groups of {group_size}")
+  r = rewards_N.astype(jnp.float32).reshape(-1, group_size)
+  mean = r.mean(axis=1, keepdims=True)
+  if mode == "grpo":
+    adv = (r - mean) / (r.std(axis=1, keepdims=True) + eps)
+  elif mode == "drgrpo":
+    adv = r - mean
+  else:
+    if group_size < 2:
+      raise ValueError("rl.advantage='rloo' needs rl.group_size >= 2")
+    adv = (r - mean) * group_size / (group_size - 1)
+  return adv.reshape(N)
+
+
+def aggregate(x_NS, mask_NS, mode: str, max_tokens: int | None = None):
+  """token-mean (DAPO): over all tokens; sequence-mean-token-mean (GRPO): per sequence then over
+  sequences; sequence-mean-token-scale (Dr.GRPO): per-sequence sums over a constant budget."""
+  mask = mask_NS.astype(jnp.float32)
+  if mode == "token-mean":
+    return jnp.sum(x_NS * mask) / jnp.maximum(mask.sum(), 1.0)
+  if mode == "sequence-mean-token-mean":
+    per_seq = jnp.sum(x_NS * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    return per_seq.mean()
+  if mode == "sequence-mean-token-scale":
+    budget = max_tokens if max_tokens is not None else x_NS.shape[1]
+    return jnp.mean(jnp.sum(x_NS * mask, axis=1) / budget)
+  raise ValueError(f"rl.aggregation={mode!r} is invalid; expected one of {AGGREGATIONS}")
+
+
+def kl_penalty(logp_NS, ref_logp_NS, estimator: str):
+  """Per-token KL(pi || ref) estimates from log-probs of the sampled tokens."""
+  d = ref_logp_NS - logp_NS
+  if estimator == "k1":
+    return -d
+  if estimator == "k3":
+    return jnp.exp(d) - d - 1.0
+  raise ValueError(f"rl.kl_estimator={estimator!r} is invalid; expected one of {KL_ESTIMATORS}")
+
+
+def policy_loss(logp_NS, old_logp_NS, adv_N, mask_NS, *, eps_low: float, eps_high: float,
+                aggregation: str, max_tokens: int | None = None, ref_logp_NS=None,
+                beta: float = 0.0, kl_estimator: str = "k3"):
+  """Clipped surrogate `max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`, aggregated, plus
+  `beta * KL` when a reference is given. The log-ratio is clipped to +-20 for safety.
+  Returns (loss, metrics)."""
+  log_ratio = jnp.clip(logp_NS - old_logp_NS, -20.0, 20.0)
+  ratio = jnp.exp(log_ratio)
+  adv = adv_N[:, None]
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  pg = jnp.maximum(unclipped, clipped)
+  loss = aggregate(pg, mask_NS, aggregation, max_tokens)
+  m = mask_NS.astype(jnp.float32)
+  n = jnp.maximum(m.sum(), 1.0)
+  metrics = {"pg_loss": loss, "clip_frac": jnp.sum((clipped > unclipped) * m) / n,
+             "ratio_mean": jnp.sum(ratio * m) / n}
+  if ref_logp_NS is not None and beta > 0:
+    kl = kl_penalty(logp_NS, ref_logp_NS, kl_estimator)
+    kl_mean = aggregate(kl, mask_NS, aggregation, max_tokens)
+    loss = loss + beta * kl_mean
+    metrics["kl"] = jnp.sum(kl * m) / n
+  metrics["rl_loss"] = loss
+  return loss, metrics
