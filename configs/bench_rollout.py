@@ -16,10 +16,11 @@ from specdraft.config import parse_arg
 def get_config(arg: str | None = None):
   arg = parse_arg(arg, smoke=False, task="arithmetic")
   c = default.get_config(f"size=bench,task={arg.task}" + (",smoke" if arg.smoke else ""))
+  c.rl.steps = 0  # the benchmark needs the SFT policy and the distilled draft only
   if not arg.smoke:
-    c.sft.steps, c.sft.lr = 1500, 2e-3
-    c.eval.every = c.checkpoint.every = 500
-    c.draft.pretrain_steps = 500
+    c.sft.steps, c.sft.lr = 800, 2e-3
+    c.eval.every = c.checkpoint.every = 400
+    c.draft.pretrain_steps = 300
   c.bench = dict(batch_sizes=(1, 8, 32, 128), num_draft=5, temperature=1.0, repeats=3,
                  max_new_tokens=40)
   if arg.smoke:

@@ -16,7 +16,7 @@ SIZES = {
   "micro": (32, 4, 2, 1, 16, 64),
   "tiny": (128, 4, 4, 2, 32, 384),
   "small": (256, 8, 8, 2, 32, 768),
-  "bench": (192, 12, 6, 2, 32, 512),  # a dozen layers: a draft pass ~1/10 of a policy pass
+  "bench": (128, 12, 4, 2, 32, 384),  # a dozen layers: a draft pass ~1/10 of a policy pass
   "base": (512, 12, 8, 4, 64, 1536),
 }
 
