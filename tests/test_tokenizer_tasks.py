@@ -28,6 +28,7 @@ def test_arithmetic_scratchpad_by_hand():
   assert t.solve([5, 3]) == "5+3+0=8|8"
   assert t.solve([57, 68], "direct") == "125"
   assert t.solve([57, 68], "sums") == "15,12,1|125"
+  assert t.solve([57, 68], "semicolon") == "7+8+0=15;5+6+1=12;1=1|125"
   assert Arithmetic(num_operands=3).solve([9, 9, 9]) == "9+9+9+0=27,2=2|27"
 
 
@@ -82,6 +83,7 @@ def test_arithmetic_format_mixture_and_reward_format():
   assert t.reward(ex, "15,12,1|125") == 1.0
   assert t.reward(ex, "7+8+0=15,5+6+1=12,1=1|125") == 0.0  # right answer, wrong format
   assert format_of("125") == "direct"
+  assert format_of("7+8+0=15;5+6+1=12;1=1|125") == "semicolon"
   with pytest.raises(ValueError, match="formats"):
     Arithmetic(formats="columns,essay")
 

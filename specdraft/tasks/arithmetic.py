@@ -2,6 +2,7 @@
 
 Prompt `"57+68="`. Answer formats:
   columns: `"7+8+0=15,5+6+1=12,1=1|125"` (each column's digits and carry in, then its sum)
+  semicolon: `"7+8+0=15;5+6+1=12;1=1|125"` (the same work, other separators)
   sums:    `"15,12,1|125"` (column sums only)
   direct:  `"125"`
 `formats` is a mixture such as "columns" or "columns:0.95,sums:0.05" (SFT data mixes them);
@@ -72,11 +73,12 @@ class Arithmetic:
     for col in range(width):
       ds = [int(d[col]) for d in digits]
       s = sum(ds) + carry
-      steps.append("+".join(map(str, ds)) + f"+{carry}={s}" if fmt == "columns" else str(s))
+      worked = fmt in ("columns", "semicolon")
+      steps.append("+".join(map(str, ds)) + f"+{carry}={s}" if worked else str(s))
       carry = s // 10
     if carry:
-      steps.append(f"{carry}={carry}" if fmt == "columns" else str(carry))
-    return ",".join(steps) + f"|{total}"
+      steps.append(f"{carry}={carry}" if worked else str(carry))
+    return (";" if fmt == "semicolon" else ",").join(steps) + f"|{total}"
 
   def reward(self, example: Example, completion: str) -> float:
     m = re.fullmatch(r"(\d+(?:\+\d+)+)=", example.prompt)
@@ -95,11 +97,14 @@ class Arithmetic:
     return len("+".join(map(str, nums)) + "=") + max(len(self.solve(nums, f)) for f in FORMATS)
 
 
-FORMATS = ("columns", "sums", "direct")
+FORMATS = ("columns", "semicolon", "sums", "direct")
 
 
 def format_of(completion: str) -> str:
   """Which answer format a completion uses."""
   if "|" not in completion:
     return "direct"
-  return "columns" if "=" in completion.split("|", 1)[0] else "sums"
+  work = completion.split("|", 1)[0]
+  if ";" in work:
+    return "semicolon"
+  return "columns" if "=" in work else "sums"

@@ -1,0 +1,24 @@
+"""The drift experiment. See configs/drift.py for the command."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from specdraft.bench import drift  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/drift.py", "Drift config.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/drift", "Output directory.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  drift.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
