@@ -1,0 +1,24 @@
+"""Co-training vs RL-only step time. See configs/bench_step.py for the command."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from specdraft.bench import step_time  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_step.py", "Bench config.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/bench_step", "Output directory.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  step_time.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
