@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdraft.attention import reference
 
-IMPLS = ("dense",)
+IMPLS = ("dense", "ring", "allgather")
 BRANCHES = ("ttt", "block")
 
 
@@ -38,17 +38,53 @@ def branch_attention(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="de
   Args (natural token order): q [B,S,H,D]; k, v [B,S,K,D]; q_br [B,S,W,H,D];
     k_br, v_br [B,S,W,K,D]; segment_ids [B,S] int32 (0 = padding).
     branch: "ttt" (EAGLE-3 training-time test) or "block" (DFlash / DSpark).
-    impl: "dense" (the float32 oracle).
+    impl: "dense" (the float32 oracle), "ring" (zigzag ring over `cp_axis`, custom backward) or
+    "allgather" (trunk K/V gathered once).
     mesh, cp_axis: the mesh and its context-parallel axis, for the sharded implementations.
   Returns (out [B,S,H,D], out_br [B,S,W,H,D]) in q's dtype.
   """
   check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch)
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not available; expected one of {IMPLS}")
-  del mesh, cp_axis  # used by the context-parallel implementations
+  if impl in ("ring", "allgather"):
+    return context_parallel(q, k, v, q_br, k_br, v_br, segment_ids, branch=branch, impl=impl,
+                            mesh=mesh, cp_axis=cp_axis)
   if q_br.shape[2] == 0:  # no branch entries: trunk only
     out = reference.causal_attention(q, k, v, segment_ids)
     return out, q_br
   out, out_br, _, _ = reference.branch_attention_dense(q, k, v, q_br, k_br, v_br, segment_ids,
                                                        branch=branch)
   return out.astype(q.dtype), out_br.astype(q_br.dtype)
+
+
+def context_parallel(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl, mesh, cp_axis="cp",
+                     tile=512, custom_grad=True):
+  """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
+  rows out in zigzag order once, runs the per-shard program under shard_map over `cp_axis`, and
+  undoes the layout. The model path calls the per-shard functions directly instead."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  from specdraft.attention import ring
+  from specdraft.parallel import zigzag
+
+  if mesh is None or cp_axis not in mesh.shape:
+    raise ValueError(f"impl={impl!r} needs a mesh with a {cp_axis!r} axis (got mesh={mesh})")
+  cp = mesh.shape[cp_axis]
+  B, S = segment_ids.shape
+  S_pad = zigzag.padded_length(S, cp)
+  pos = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
+  lay = lambda x: zigzag.to_zigzag(zigzag.pad(x, S_pad), cp)
+  args = [lay(x) for x in (q, k, v, q_br, k_br, v_br, segment_ids.astype(jnp.int32))]
+  args.append(zigzag.to_zigzag(pos, cp))
+  body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
+  kw = dict(branch=branch, axis_name=cp_axis, cp=cp, tile=tile)
+  if impl == "ring":
+    kw["custom_grad"] = custom_grad
+  spec = P(None, cp_axis)  # every per-token array is sharded on its sequence axis
+  fn = jax.shard_map(lambda *a: body(*a, **kw), mesh=mesh, in_specs=(spec,) * 8,
+                     out_specs=(spec, spec), check_vma=False)
+  out, out_br = fn(*args)
+  unlay = lambda x: zigzag.from_zigzag(x, cp)[:, :S]
+  return unlay(out), unlay(out_br)

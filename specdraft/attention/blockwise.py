@@ -1,0 +1,227 @@
+"""Blockwise attention primitives: a tiled, float32, (out, lse) block and its backward, the
+overflow-safe LSE merge, and the rank-local branch block.
+
+A block attends query rows to key rows under the mask
+  same segment, segment != 0, and  k_pos + strict <= q_pos
+where `strict` is 0 for trunk and TTT-branch queries and 1 for block-branch queries (which see
+trunk keys s < t). Masks use only positions and segment ids, so they are exact under any layout.
+Empty rows give (0, -inf) and receive zero gradient.
+
+Shape letters: B batch, T query rows, S key rows, H heads, K kv heads, G = H // K, D head dim,
+W branch width.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+class Rows(NamedTuple):
+  """Per-row mask metadata: positions, segment ids and (queries only) strictness."""
+
+  pos: jax.Array  # [B,N] int32
+  seg: jax.Array  # [B,N] int32
+  strict: jax.Array | None = None  # [B,N] int32 (0 or 1)
+
+
+def block_mask(qr: Rows, kr: Rows):
+  strict = 0 if qr.strict is None else qr.strict[:, :, None]
+  same = (qr.seg[:, :, None] == kr.seg[:, None, :]) & (qr.seg[:, :, None] != 0)
+  return same & (kr.pos[:, None, :] + strict <= qr.pos[:, :, None])
+
+
+def _tile(n: int, want: int) -> int:
+  """The largest divisor of n that is <= want (tiles must divide the row count)."""
+  t = max(1, min(n, want))
+  while n % t:
+    t -= 1
+  return t
+
+
+def _split(x, n_tiles, axis=1):
+  """[B, N, ...] -> [n_tiles, B, N / n_tiles, ...]."""
+  shape = x.shape
+  x = x.reshape(shape[:axis] + (n_tiles, shape[axis] // n_tiles) + shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _merge_tiles(x, axis=1):
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _scores(q, k, scale):
+  """q [B,T,K,G,D], k [B,S,K,D] -> [B,K,G,T,S] float32."""
+  return jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+
+
+def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k: int = 512):
+  """Masked attention of a query block against a key block: (out_BTHD f32, lse_BHT f32).
+
+  Large blocks are tiled (a map over query tiles, an online-softmax scan over key tiles), so
+  memory is O(tile_q * tile_k) per head instead of O(T * S).
+  """
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  G = H // K
+  scale = D**-0.5
+  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
+  k, v = k_BSKD.astype(jnp.float32), v_BSKD.astype(jnp.float32)
+  tq, tk = _tile(T, tile_q), _tile(S, tile_k)
+
+  def q_tile(args):
+    qt, qpos, qseg, qstr = args
+    qrt = Rows(qpos, qseg, qstr)
+
+    def k_step(carry, kargs):
+      m, l, acc = carry
+      kt, vt, kpos, kseg = kargs
+      mask = block_mask(qrt, Rows(kpos, kseg))[:, None, None]
+      s = jnp.where(mask, _scores(qt, kt, scale), _MASKED)
+      m_new = jnp.maximum(m, jax.lax.stop_gradient(s.max(-1)))
+      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+      corr = jnp.exp(m - m_new)
+      l = l * corr + p.sum(-1)
+      acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vt)
+      return (m_new, l, acc), None
+
+    init = (jnp.full((B, K, G, tq), _MASKED, jnp.float32), jnp.zeros((B, K, G, tq), jnp.float32),
+            jnp.zeros((B, K, G, tq, D), jnp.float32))
+    nk = S // tk
+    (m, l, acc), _ = jax.lax.scan(
+      k_step, init, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+    ok = l > 0
+    safe = jnp.where(ok, l, 1.0)
+    out = jnp.moveaxis(acc / safe[..., None], 3, 1)  # [B,tq,K,G,D]
+    lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
+    return out.reshape(B, tq, H, D), lse.reshape(B, H, tq)
+
+  strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
+  nq = T // tq
+  outs, lses = jax.lax.map(q_tile, (_split(q, nq), _split(qr.pos, nq), _split(qr.seg, nq),
+                                    _split(strict, nq)))
+  return _merge_tiles(outs), _merge_tiles(lses, axis=2)
+
+
+def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_BHT, *,
+            tile_q: int = 512, tile_k: int = 512):
+  """Gradients of one block given the FINAL (merged) lse and delta = rowsum(dO * O).
+
+  Every block's backward is local: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - delta).
+  Returns (dq_BTHD, dk_BSKD, dv_BSKD) in float32.
+  """
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  G = H // K
+  scale = D**-0.5
+  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
+  do = do_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
+  k, v = k_BSKD.astype(jnp.float32), v_BSKD.astype(jnp.float32)
+  lse = lse_BHT.reshape(B, K, G, T)
+  delta = delta_BHT.reshape(B, K, G, T)
+  finite = jnp.isfinite(lse)
+  lse = jnp.where(finite, lse, 0.0)
+  tq, tk = _tile(T, tile_q), _tile(S, tile_k)
+  nq, nk = T // tq, S // tk
+  strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
+  q_tiles = (_split(q, nq), _split(do, nq), _split(jnp.moveaxis(lse, 3, 1), nq),
+             _split(jnp.moveaxis(delta, 3, 1), nq), _split(jnp.moveaxis(finite, 3, 1), nq),
+             _split(qr.pos, nq), _split(qr.seg, nq), _split(strict, nq))
+
+  def k_tile(_, kargs):
+    kt, vt, kpos, kseg = kargs
+
+    def q_step(carry, qargs):
+      dk, dv = carry
+      qt, dot, lt, dlt, ft, qpos, qseg, qstr = qargs
+      lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,G,tq]
+      mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
+      s = _scores(qt, kt, scale)
+      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lt[..., None]), 0.0)
+      dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, dot)
+      dp = jnp.einsum("btkgd,bskd->bkgts", dot, vt)
+      ds = p * (dp - dlt[..., None])
+      dq_t = jnp.einsum("bkgts,bskd->btkgd", ds, kt) * scale
+      dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qt) * scale
+      return (dk, dv), dq_t
+
+    zeros = jnp.zeros((B, tk, K, D), jnp.float32)
+    (dk, dv), dq_tiles = jax.lax.scan(q_step, (zeros, zeros), q_tiles)
+    return None, (dk, dv, _merge_tiles(dq_tiles))
+
+  _, (dk_t, dv_t, dq_parts) = jax.lax.scan(
+    k_tile, None, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+  dq = dq_parts.sum(0).reshape(B, T, H, D)
+  return dq, _merge_tiles(dk_t), _merge_tiles(dv_t)
+
+
+def merge(out1, lse1, out2, lse2):
+  """Exact, overflow-safe merge of two partial softmax results over disjoint key sets.
+
+  out [B,T,H,D] f32, lse [B,H,T] f32; (0, -inf) is the identity. No NaN in value or gradient.
+  """
+  m = jnp.maximum(lse1, lse2)
+  m_safe = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  w1, w2 = jnp.exp(lse1 - m_safe), jnp.exp(lse2 - m_safe)
+  s = w1 + w2
+  ok = s > 0
+  safe = jnp.where(ok, s, 1.0)
+  lse = jnp.where(ok, m_safe + jnp.log(safe), -jnp.inf)
+  t = lambda w: jnp.moveaxis(w / safe, 1, 2)[..., None]  # [B,H,T] -> [B,T,H,1]
+  return out1 * t(w1) + out2 * t(w2), lse
+
+
+def branch_local(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch: str):
+  """Each anchor's branch queries against its own branch keys (never leaves the rank).
+
+  Returns (out_BSWHD f32, lse_BHSW f32).
+  """
+  B, S, W, H, D = q_BSWHD.shape
+  K = k_BSWKD.shape[3]
+  G = H // K
+  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
+  s = jnp.einsum("btjkgd,btikd->bkgtji", q, k_BSWKD.astype(jnp.float32)) * D**-0.5
+  mask = _branch_mask(seg_BS, W, branch)
+  s = jnp.where(mask, s, _MASKED)
+  m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  ok = l > 0
+  safe = jnp.where(ok, l, 1.0)
+  out = jnp.einsum("bkgtji,btikd->btjkgd", p / safe, v_BSWKD.astype(jnp.float32))
+  lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)[..., 0]
+  return out.reshape(B, S, W, H, D), lse.reshape(B, H, S, W)
+
+
+def _branch_mask(seg_BS, W, branch):
+  vis = jnp.tril(jnp.ones((W, W), bool)) if branch == "ttt" else jnp.ones((W, W), bool)
+  return vis[None, None, None, None] & (seg_BS != 0)[:, None, None, :, None, None]
+
+
+def branch_local_bwd(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch, do_BSWHD, lse_BHSW, delta_BHSW):
+  """Gradients of the branch-local block from the final lse (closed form)."""
+  B, S, W, H, D = q_BSWHD.shape
+  K = k_BSWKD.shape[3]
+  G = H // K
+  scale = D**-0.5
+  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
+  do = do_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
+  k, v = k_BSWKD.astype(jnp.float32), v_BSWKD.astype(jnp.float32)
+  lse = lse_BHSW.reshape(B, K, G, S, W)
+  delta = delta_BHSW.reshape(B, K, G, S, W)
+  finite = jnp.isfinite(lse)
+  mask = _branch_mask(seg_BS, W, branch) & finite[..., None]
+  s = jnp.einsum("btjkgd,btikd->bkgtji", q, k) * scale
+  p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - jnp.where(finite, lse, 0.0)[..., None]),
+                0.0)
+  dv = jnp.einsum("bkgtji,btjkgd->btikd", p, do)
+  dp = jnp.einsum("btjkgd,btikd->bkgtji", do, v)
+  ds = p * (dp - delta[..., None])
+  dq = jnp.einsum("bkgtji,btikd->btjkgd", ds, k) * scale
+  dk = jnp.einsum("bkgtji,btjkgd->btikd", ds, q) * scale
+  return dq.reshape(B, S, W, H, D), dk, dv

@@ -1,0 +1,224 @@
+"""Context-parallel trunk + branch attention: zigzag ring (and all-gather) per-shard programs.
+
+"Trunk rides the ring, branch stays local": trunk K/V (with their global positions and segment
+ids) rotate by ppermute; each ring step yields a partial (out, lse) for the local trunk AND
+branch queries (a branch query (t, j) sees trunk keys like its anchor t, strictly before t for
+"block"); branch K/V never enter a collective and are attended locally; all parts merge exactly
+through their LSE in float32. Zigzag balance: after step 0 (local causal, 3 sub-blocks) every
+step computes exactly two chunk-by-chunk sub-blocks on every rank:
+  source < rank: (local chunk 1, incoming chunk 1) and (local chunk 2, incoming chunk 1)
+  source > rank: (local chunk 2, incoming chunk 1) and (local chunk 2, incoming chunk 2)
+The backward (jax.custom_vjp) is a second ring pass in which dK/dV accumulators travel with their
+K/V and return to the owner with one more ppermute; branch gradients are local, from the merged
+LSE.
+
+Shape letters (local): B batch, L local rows (= 2 chunks of c), W branch width, R = 1 + W query
+rows per anchor, H/K heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specdraft.attention import blockwise as bw
+
+
+def _query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch):
+  """All queries of an anchor as consecutive rows: [B, L*R, H, D] and their mask metadata."""
+  B, L, H, D = q_BLHD.shape
+  W = q_BLWHD.shape[2]
+  R = 1 + W
+  q = jnp.concatenate([q_BLHD[:, :, None], q_BLWHD.astype(q_BLHD.dtype)], axis=2)
+  strict = jnp.asarray([0] + [int(branch == "block")] * W, jnp.int32)
+  rows = bw.Rows(jnp.repeat(pos_BL, R, axis=1), jnp.repeat(seg_BL, R, axis=1),
+                 jnp.broadcast_to(jnp.tile(strict, L), (B, L * R)))
+  return q.reshape(B, L * R, H, D), rows
+
+
+def _take(rows: bw.Rows, sl):
+  return bw.Rows(*(None if a is None else a[:, sl] for a in rows))
+
+
+def _select(pred, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _empty(out, lse):
+  return jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)
+
+
+def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile):
+  B, L, H, D = q.shape
+  W = q_br.shape[2]
+  R, c = 1 + W, L // 2
+  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
+  q1, q2 = qa[:, :c * R], qa[:, c * R:]
+  r1, r2 = _take(qrows, slice(0, c * R)), _take(qrows, slice(c * R, None))
+  blk = functools.partial(bw.blk, tile_q=tile, tile_k=tile)
+  kv = (k, v, bw.Rows(pos, seg))
+  rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
+
+  def halves(kv):
+    k_, v_, kr = kv
+    return ((k_[:, :c], v_[:, :c], _take(kr, slice(0, c))),
+            (k_[:, c:], v_[:, c:], _take(kr, slice(c, None))))
+
+  acc1 = acc2 = None
+  for i in range(cp):
+    h1, h2 = halves(kv)
+    if i == 0:  # local causal: (1,1), (2,1), (2,2); (1,2) is entirely in the future
+      acc1 = blk(q1, h1[0], h1[1], r1, h1[2])
+      acc2 = bw.merge(*blk(q2, h1[0], h1[1], r2, h1[2]), *blk(q2, h2[0], h2[1], r2, h2[2]))
+    else:
+      early = (rank - i) % cp < rank  # the source rank precedes this one
+      qa_, ra_ = _select(early, (q1, r1), (q2, r2))
+      p1 = blk(qa_, h1[0], h1[1], ra_, h1[2])
+      kb = _select(early, h1, h2)
+      p2 = blk(q2, kb[0], kb[1], r2, kb[2])
+      acc1 = bw.merge(*acc1, *_select(early, p1, _empty(*p1)))
+      acc2 = bw.merge(*acc2, *_select(early, _empty(*p1), p1))
+      acc2 = bw.merge(*acc2, *p2)
+    if i < cp - 1:
+      kv = jax.lax.ppermute(kv, axis_name, [(j, (j + 1) % cp) for j in range(cp)])
+  out = jnp.concatenate([acc1[0], acc2[0]], axis=1).reshape(B, L, R, H, D)
+  lse = jnp.concatenate([acc1[1], acc2[1]], axis=2).reshape(B, H, L, R)
+  if W:
+    o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
+    # merge expects [B,T,H,D] / [B,H,T]: flatten (L, W) into T
+    o_br, l_br = bw.merge(out[:, :, 1:].reshape(B, L * W, H, D), lse[..., 1:].reshape(B, H, L * W),
+                          o_bl.reshape(B, L * W, H, D), l_bl.reshape(B, H, L * W))
+    out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
+    lse = jnp.concatenate([lse[..., :1], l_br.reshape(B, H, L, W)], axis=-1)
+  return out, lse
+
+
+def ring_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
+                         tile=512, custom_grad=True):
+  """Per-device zigzag ring trunk + local branch attention (call inside shard_map).
+
+  Local arrays in zigzag layout: q [B,L,H,D], k/v [B,L,K,D], q_br [B,L,W,H,D], k_br/v_br
+  [B,L,W,K,D], seg/pos [B,L] (global positions). Returns (out [B,L,H,D], out_br [B,L,W,H,D]) in
+  q's dtype; accumulation is float32 throughout. `custom_grad=False` differentiates through the
+  ring by autodiff (the reference for the custom backward).
+  """
+  if q.shape[1] % 2:
+    raise ValueError(f"local length {q.shape[1]} must be two equal zigzag chunks (S % 2cp == 0)")
+  f = _ring_vjp if custom_grad else _ring_plain
+  out_all = f(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile)
+  return out_all[:, :, 0].astype(q.dtype), out_all[:, :, 1:].astype(q_br.dtype)
+
+
+def _ring_plain(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
+  return _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name,
+                       cp=cp, tile=tile)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _ring_vjp(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
+  return _ring_plain(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile)
+
+
+def _ring_vjp_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
+  out, lse = _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, branch=branch,
+                           axis_name=axis_name, cp=cp, tile=tile)
+  return out, (q, k, v, q_br, k_br, v_br, seg, pos, out, lse)
+
+
+def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
+  q, k, v, q_br, k_br, v_br, seg, pos, out, lse = res
+  B, L, H, D = q.shape
+  W = q_br.shape[2]
+  R, c = 1 + W, L // 2
+  dout = dout.astype(jnp.float32)
+  delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 3, 1)  # [B,H,L,R]
+  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
+  do_rows = dout.reshape(B, L * R, H, D)
+  lse_rows, delta_rows = lse.reshape(B, H, L * R), delta.reshape(B, H, L * R)
+  n1 = c * R
+  part = lambda x, s: x[:, s] if x.ndim != 3 else x[:, :, s]
+  s1, s2 = slice(0, n1), slice(n1, None)
+  q1, q2 = qa[:, s1], qa[:, s2]
+  r1, r2 = _take(qrows, s1), _take(qrows, s2)
+  g1 = (do_rows[:, s1], part(lse_rows, s1), part(delta_rows, s1))
+  g2 = (do_rows[:, s2], part(lse_rows, s2), part(delta_rows, s2))
+  bwd = functools.partial(bw.blk_bwd, tile_q=tile, tile_k=tile)
+  rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
+  kv = (k, v, bw.Rows(pos, seg))
+  dq1 = jnp.zeros(q1.shape, jnp.float32)
+  dq2 = jnp.zeros(q2.shape, jnp.float32)
+  dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  perm = [(j, (j + 1) % cp) for j in range(cp)]
+
+  for i in range(cp):
+    k_, v_, kr = kv
+    h1 = (k_[:, :c], v_[:, :c], _take(kr, slice(0, c)))
+    h2 = (k_[:, c:], v_[:, c:], _take(kr, slice(c, None)))
+    if i == 0:
+      a = bwd(q1, *h1[:2], r1, h1[2], *g1)
+      b = bwd(q2, *h1[:2], r2, h1[2], *g2)
+      d = bwd(q2, *h2[:2], r2, h2[2], *g2)
+      dq1 = dq1 + a[0]
+      dq2 = dq2 + b[0] + d[0]
+      dk1, dv1 = a[1] + b[1], a[2] + b[2]
+      dk2, dv2 = d[1], d[2]
+    else:
+      early = (rank - i) % cp < rank
+      qa_, ra_, ga_ = _select(early, (q1, r1, g1), (q2, r2, g2))
+      a = bwd(qa_, *h1[:2], ra_, h1[2], *ga_)
+      kb = _select(early, h1, h2)
+      b = bwd(q2, *kb[:2], r2, kb[2], *g2)
+      dq1 = dq1 + jnp.where(early, a[0], 0.0)
+      dq2 = dq2 + jnp.where(early, 0.0, a[0]) + b[0]
+      dk1 = a[1] + jnp.where(early, b[1], 0.0)
+      dv1 = a[2] + jnp.where(early, b[2], 0.0)
+      dk2 = jnp.where(early, 0.0, b[1])
+      dv2 = jnp.where(early, 0.0, b[2])
+    dkv = (dkv[0] + jnp.concatenate([dk1, dk2], axis=1),
+           dkv[1] + jnp.concatenate([dv1, dv2], axis=1))
+    if cp > 1:  # accumulators travel with their K/V; the last hop returns them to the owner
+      dkv = jax.lax.ppermute(dkv, axis_name, perm)
+      if i < cp - 1:
+        kv = jax.lax.ppermute(kv, axis_name, perm)
+
+  dq_rows = jnp.concatenate([dq1, dq2], axis=1).reshape(B, L, R, H, D)
+  dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
+  dk_br = dv_br = None
+  if W:
+    g_bl = bw.branch_local_bwd(q_br, k_br, v_br, seg, branch, dout[:, :, 1:],
+                               lse[..., 1:], delta[..., 1:])
+    dq_br = dq_br + g_bl[0]
+    dk_br, dv_br = g_bl[1], g_bl[2]
+  else:
+    dk_br, dv_br = jnp.zeros_like(k_br, jnp.float32), jnp.zeros_like(v_br, jnp.float32)
+  cast = lambda g, x: g.astype(x.dtype)
+  return (cast(dq, q), cast(dkv[0], k), cast(dkv[1], v), cast(dq_br, q_br), cast(dk_br, k_br),
+          cast(dv_br, v_br), None, None)
+
+
+_ring_vjp.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def allgather_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
+                              tile=512):
+  """Baseline: gather the trunk K/V once, attend locally (autodiff backward)."""
+  B, L, H, D = q.shape
+  W = q_br.shape[2]
+  R = 1 + W
+  if cp > 1:
+    g = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    k_all, v_all, kr = g(k), g(v), bw.Rows(g(pos), g(seg))
+  else:
+    k_all, v_all, kr = k, v, bw.Rows(pos, seg)
+  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
+  out, lse = bw.blk(qa, k_all, v_all, qrows, kr, tile_q=tile, tile_k=tile)
+  out = out.reshape(B, L, R, H, D)
+  lse = lse.reshape(B, H, L, R)
+  if W:
+    o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
+    o_br, _ = bw.merge(out[:, :, 1:].reshape(B, L * W, H, D), lse[..., 1:].reshape(B, H, L * W),
+                       o_bl.reshape(B, L * W, H, D), l_bl.reshape(B, H, L * W))
+    out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
+  return out[:, :, 0].astype(q.dtype), out[:, :, 1:].astype(q_br.dtype)
