@@ -52,7 +52,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.draft = ml_collections.ConfigDict(dict(
     kind="eagle3", n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0, ttt_steps=7, ttt_decay=0.8,
     pretrain_steps=300, batch_size=32, rollout_temperature=1.0, lr=3e-3, warmup_steps=20,
-    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20, cotrain_lr=1e-3))
+    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20, cotrain_lr=1e-3,
+    attn_impl="dense"))  # dense | ring | allgather (context parallel over parallel.mesh.cp)
 
   # GRPO with speculative rollouts and the co-training step L = L_RL + lam * L_draft.
   c.rl = ml_collections.ConfigDict(dict(

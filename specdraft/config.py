@@ -101,6 +101,10 @@ def validate(config, *, num_devices: int | None = None) -> None:
   dh, dk = dr.n_heads or m.n_heads, dr.n_kv_heads or m.n_kv_heads
   if dh % dk:
     _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
+  if dr.attn_impl not in ("dense", "ring", "allgather"):
+    _fail("draft.attn_impl", dr.attn_impl, "expected 'dense', 'ring' or 'allgather'")
+  if dr.attn_impl != "dense" and config.parallel.mesh.get("cp", 1) < 1:
+    _fail("draft.attn_impl", dr.attn_impl, "needs a layout with a cp axis")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
   if dec.num_draft < 1:

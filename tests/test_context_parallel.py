@@ -230,3 +230,43 @@ def test_bad_inputs_are_clear_errors():
   with pytest.raises(ValueError, match="two equal zigzag chunks"):
     ring.ring_attention_shard(*(x[:, :5] for x in xs[:6]), xs[-1][:, :5], xs[-1][:, :5],
                               branch="ttt", axis_name="cp", cp=1)
+
+
+# ----------------------------------------------------------------------------- integration
+
+
+def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
+  """The EAGLE-3 TTT loss through the ring (cp=4 inside a cp4_dp2 layout) == the cp=1 run."""
+  from configs import default as default_config
+  from specdraft.model import eagle3
+  from specdraft.model import policy as pol
+  from specdraft.parallel import mesh as mesh_lib
+  from specdraft.train import draft as draft_lib
+
+  c = default_config.get_config("smoke,layout=cp4_dp2")
+  pcfg = pol.PolicyConfig.from_config(c.model, 99)
+  dcfg = eagle3.DraftConfig.from_config(c.draft, pcfg)
+  params = pol.init_params(pcfg, 0)
+  dparams = eagle3.init_params(dcfg, 1, params, pcfg)
+  rng = np.random.default_rng(0)
+  B, S = 2, 22  # padded to 24 for cp=4 inside the op
+  seg = np.ones((B, S), np.int32)
+  seg[0, 9:] = 2
+  seg[1, 17:] = 0
+  pos = np.concatenate([np.arange(9), np.arange(S - 9)])[None].repeat(B, 0) * (seg > 0)
+  batch = {"tokens": jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32),
+           "positions": jnp.asarray(pos, jnp.int32), "segment_ids": jnp.asarray(seg),
+           "loss_mask": jnp.asarray(seg > 0, jnp.float32)}
+  mesh = mesh_lib.make_mesh(c.parallel)
+
+  def run(impl):
+    f = lambda d: draft_lib.draft_loss_on_batch(d, params, pcfg, dcfg, batch, attn_impl=impl,
+                                                mesh=mesh)
+    return jax.jit(jax.value_and_grad(f, has_aux=True))(dparams)
+
+  (l1, m1), g1 = run("dense")
+  (l4, m4), g4 = run("ring")
+  np.testing.assert_allclose(l4, l1, rtol=1e-5)
+  assert_close(g4, g1, 1e-5)
+  with pytest.raises(ValueError, match="impl='ring' needs a mesh"):
+    draft_lib.draft_loss_on_batch(dparams, params, pcfg, dcfg, batch, attn_impl="ring")

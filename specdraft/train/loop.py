@@ -322,7 +322,8 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
   ref_params = params if rl.beta > 0 else None
   step_fn = jax.jit(functools.partial(
     step_lib.cotrain_step, pcfg=ctx.pcfg, dcfg=ctx.dcfg, rl_cfg=rl, tx=tx, lam=rl.lam,
-    train_draft=train_draft), donate_argnums=0)
+    train_draft=train_draft, ref_params=ref_params, attn_impl=c.draft.attn_impl,
+    mesh=ctx.mesh), donate_argnums=0)
   rollout = _rollout_fn(ctx, mode, N, rl.temperature)
 
   @jax.jit

@@ -93,7 +93,8 @@ def entropy_of(logits_BSV, mask_BS):
 
 
 def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draft: bool = True,
-                 ref_params=None, stop_tap_gradient: bool = True):
+                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
+                 mesh=None):
   """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
 
   `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
@@ -121,7 +122,8 @@ def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draf
   if train_draft:
     draft_loss, dm = eagle3.ttt_loss(phi, dcfg, theta["embed"], taps.layers,
                                      jax.lax.stop_gradient(logits), batch["tokens"],
-                                     batch["positions"], batch["segment_ids"], batch["loss_mask"])
+                                     batch["positions"], batch["segment_ids"], batch["loss_mask"],
+                                     attn_impl=attn_impl, mesh=mesh)
     metrics.update(dm)
     total = total + lam * draft_loss
   metrics["loss"] = total
@@ -129,11 +131,16 @@ def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draf
 
 
 def cotrain_step(state, batch, *, pcfg, dcfg, rl_cfg, tx, lam: float, train_draft: bool = True,
-                 ref_params=None, stop_tap_gradient: bool = True):
-  """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}."""
+                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
+                 mesh=None):
+  """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}.
+
+  `attn_impl`/`mesh` select the draft's branch attention ("ring" or "allgather" over the mesh's
+  'cp' axis for long contexts)."""
   (_, metrics), grads = jax.value_and_grad(cotrain_loss, has_aux=True)(
     state["params"], batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
-    train_draft=train_draft, ref_params=ref_params, stop_tap_gradient=stop_tap_gradient)
+    train_draft=train_draft, ref_params=ref_params, stop_tap_gradient=stop_tap_gradient,
+    attn_impl=attn_impl, mesh=mesh)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
   metrics["draft_grad_norm"] = optax.tree.norm(grads["draft"])
