@@ -18,7 +18,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_cp", "Output directory.")
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.ERROR)
   cp_memory.run(_CONFIG.value, _WORKDIR.value)
 
 

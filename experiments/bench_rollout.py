@@ -16,7 +16,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_rollout", "Output director
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.ERROR)
   rollout.run(_CONFIG.value, _WORKDIR.value)
 
 

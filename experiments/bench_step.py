@@ -16,7 +16,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_step", "Output directory."
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.ERROR)
   step_time.run(_CONFIG.value, _WORKDIR.value)
 
 

@@ -16,7 +16,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/drift", "Output directory.")
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.ERROR)
   drift.run(_CONFIG.value, _WORKDIR.value)
 
 

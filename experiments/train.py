@@ -19,7 +19,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
+  logging.set_verbosity(logging.ERROR)
   summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   print(summary_table(summary))
 

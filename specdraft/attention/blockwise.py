@@ -18,6 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specdraft.attention import reference
+
 _MASKED = -1e30
 
 
@@ -186,15 +188,8 @@ def branch_local(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch: str):
   G = H // K
   q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
   s = jnp.einsum("btjkgd,btikd->bkgtji", q, k_BSWKD.astype(jnp.float32)) * D**-0.5
-  mask = _branch_mask(seg_BS, W, branch)
-  s = jnp.where(mask, s, _MASKED)
-  m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
-  p = jnp.where(mask, jnp.exp(s - m), 0.0)
-  l = p.sum(-1, keepdims=True)
-  ok = l > 0
-  safe = jnp.where(ok, l, 1.0)
-  out = jnp.einsum("bkgtji,btikd->btjkgd", p / safe, v_BSWKD.astype(jnp.float32))
-  lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)[..., 0]
+  p, lse = reference.masked_softmax(s, _branch_mask(seg_BS, W, branch))
+  out = jnp.einsum("bkgtji,btikd->btjkgd", p, v_BSWKD.astype(jnp.float32))
   return out.reshape(B, S, W, H, D), lse.reshape(B, H, S, W)
 
 

@@ -17,6 +17,19 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
+def masked_softmax(s, mask):
+  """Softmax over the last axis restricted to `mask`: (probabilities, lse). Empty rows give
+  all-zero probabilities and lse = -inf, with finite (zero) gradients."""
+  s = jnp.where(mask, s, _MASKED)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  nonempty = l > 0
+  safe_l = jnp.where(nonempty, l, 1.0)
+  lse = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)[..., 0]
+  return p / safe_l, lse
+
+
 def masked_attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS, *, scale=None):
   """Softmax attention under an explicit boolean mask, with GQA; float32 throughout.
 
@@ -33,15 +46,8 @@ def masked_attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS, *, scale=None):
   k = k_BSKD.astype(jnp.float32)
   v = v_BSKD.astype(jnp.float32)
   s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
-  mask = mask_BTS[:, None, None, :, :]
-  s_BKGTS = jnp.where(mask, s_BKGTS, _MASKED)
-  m = jax.lax.stop_gradient(jnp.max(s_BKGTS, axis=-1, keepdims=True))
-  p = jnp.where(mask, jnp.exp(s_BKGTS - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", p / safe_l, v).reshape(B, T, H, D)
-  lse = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)[..., 0]
+  p, lse = masked_softmax(s_BKGTS, mask_BTS[:, None, None, :, :])
+  out = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, H, D)
   return out, lse.reshape(B, H, T)
 
 
@@ -102,16 +108,8 @@ def branch_attention_dense(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, se
   s_trunk = jnp.einsum("btwkgd,bskd->bkgtws", qb, k_BSKD.astype(jnp.float32))
   s_br = jnp.einsum("btwkgd,btikd->bkgtwi", qb, k_BSWKD.astype(jnp.float32))
   s = jnp.concatenate([s_trunk, s_br], axis=-1) * scale
-  mask = mask_BTWX[:, None, None]
-  s = jnp.where(mask, s, _MASKED)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  p = jnp.where(mask, jnp.exp(s - m), 0.0)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)
-  p = p / safe_l
+  p, lse_br = masked_softmax(s, mask_BTWX[:, None, None])
   out_br = (jnp.einsum("bkgtws,bskd->btwkgd", p[..., :S], v_BSKD.astype(jnp.float32))
             + jnp.einsum("bkgtwi,btikd->btwkgd", p[..., S:], v_BSWKD.astype(jnp.float32)))
   out_br = out_br.reshape(B, S, W, H, D)
-  lse_br = jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)[..., 0]  # [B,K,G,S,W]
   return out, out_br, lse, lse_br.reshape(B, H, S, W)
