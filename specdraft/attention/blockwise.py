@@ -72,17 +72,21 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   G = H // K
   scale = D**-0.5
-  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
-  k, v = k_BSKD.astype(jnp.float32), v_BSKD.astype(jnp.float32)
+  # Inputs stay in their dtype; each tile is upcast on its own, so no full-size float32 copy
+  # of q, k or v is ever materialised.
+  q = q_BTHD.reshape(B, T, K, G, D)
+  k, v = k_BSKD, v_BSKD
   tq, tk = _tile(T, tile_q), _tile(S, tile_k)
 
   def q_tile(args):
     qt, qpos, qseg, qstr = args
+    qt = qt.astype(jnp.float32)
     qrt = Rows(qpos, qseg, qstr)
 
     def k_step(carry, kargs):
       m, l, acc = carry
       kt, vt, kpos, kseg = kargs
+      kt, vt = kt.astype(jnp.float32), vt.astype(jnp.float32)
       mask = block_mask(qrt, Rows(kpos, kseg))[:, None, None]
       s = jnp.where(mask, _scores(qt, kt, scale), _MASKED)
       m_new = jnp.maximum(m, jax.lax.stop_gradient(s.max(-1)))
@@ -95,8 +99,10 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
     init = (jnp.full((B, K, G, tq), _MASKED, jnp.float32), jnp.zeros((B, K, G, tq), jnp.float32),
             jnp.zeros((B, K, G, tq, D), jnp.float32))
     nk = S // tk
+    # Rematerialised under autodiff (the all-gather path): the backward keeps per-step carries,
+    # never a tile's probabilities, so memory stays O(tile) rather than O(T * S).
     (m, l, acc), _ = jax.lax.scan(
-      k_step, init, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+      jax.checkpoint(k_step), init, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
     ok = l > 0
     safe = jnp.where(ok, l, 1.0)
     out = jnp.moveaxis(acc / safe[..., None], 3, 1)  # [B,tq,K,G,D]
@@ -105,7 +111,7 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
 
   strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
   nq = T // tq
-  outs, lses = jax.lax.map(q_tile, (_split(q, nq), _split(qr.pos, nq), _split(qr.seg, nq),
+  outs, lses = jax.lax.map(jax.checkpoint(q_tile), (_split(q, nq), _split(qr.pos, nq), _split(qr.seg, nq),
                                     _split(strict, nq)))
   return _merge_tiles(outs), _merge_tiles(lses, axis=2)
 
@@ -121,9 +127,9 @@ def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   G = H // K
   scale = D**-0.5
-  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
-  do = do_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
-  k, v = k_BSKD.astype(jnp.float32), v_BSKD.astype(jnp.float32)
+  q = q_BTHD.reshape(B, T, K, G, D)
+  do = do_BTHD.reshape(B, T, K, G, D)
+  k, v = k_BSKD, v_BSKD
   lse = lse_BHT.reshape(B, K, G, T)
   delta = delta_BHT.reshape(B, K, G, T)
   finite = jnp.isfinite(lse)
@@ -135,12 +141,14 @@ def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_
              _split(jnp.moveaxis(delta, 3, 1), nq), _split(jnp.moveaxis(finite, 3, 1), nq),
              _split(qr.pos, nq), _split(qr.seg, nq), _split(strict, nq))
 
-  def k_tile(_, kargs):
+  def k_tile(dq_acc, kargs):
     kt, vt, kpos, kseg = kargs
+    kt, vt = kt.astype(jnp.float32), vt.astype(jnp.float32)
 
     def q_step(carry, qargs):
       dk, dv = carry
       qt, dot, lt, dlt, ft, qpos, qseg, qstr = qargs
+      qt, dot = qt.astype(jnp.float32), dot.astype(jnp.float32)
       lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,G,tq]
       mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
       s = _scores(qt, kt, scale)
@@ -154,12 +162,13 @@ def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_
 
     zeros = jnp.zeros((B, tk, K, D), jnp.float32)
     (dk, dv), dq_tiles = jax.lax.scan(q_step, (zeros, zeros), q_tiles)
-    return None, (dk, dv, _merge_tiles(dq_tiles))
+    # dq accumulates in the carry: O(T) memory, not O(T * key tiles)
+    return dq_acc + _merge_tiles(dq_tiles), (dk, dv)
 
-  _, (dk_t, dv_t, dq_parts) = jax.lax.scan(
-    k_tile, None, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
-  dq = dq_parts.sum(0).reshape(B, T, H, D)
-  return dq, _merge_tiles(dk_t), _merge_tiles(dv_t)
+  dq, (dk_t, dv_t) = jax.lax.scan(
+    k_tile, jnp.zeros((B, T, K, G, D), jnp.float32),
+    (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+  return dq.reshape(B, T, H, D), _merge_tiles(dk_t), _merge_tiles(dv_t)
 
 
 def merge(out1, lse1, out2, lse2):

@@ -66,23 +66,28 @@ def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
     return ((k_[:, :c], v_[:, :c], _take(kr, slice(0, c))),
             (k_[:, c:], v_[:, c:], _take(kr, slice(c, None))))
 
-  acc1 = acc2 = None
-  for i in range(cp):
+  # step 0, local causal: (1,1), (2,1), (2,2); (1,2) is entirely in the future
+  h1, h2 = halves(kv)
+  acc1 = blk(q1, h1[0], h1[1], r1, h1[2])
+  acc2 = bw.merge(*blk(q2, h1[0], h1[1], r2, h1[2]), *blk(q2, h2[0], h2[1], r2, h2[2]))
+  perm = [(j, (j + 1) % cp) for j in range(cp)]
+
+  def ring_step(carry, i):
+    """Receive the previous rank's K/V (source = rank - i) and compute two sub-blocks."""
+    kv, acc1, acc2 = carry
+    kv = jax.lax.ppermute(kv, axis_name, perm)
     h1, h2 = halves(kv)
-    if i == 0:  # local causal: (1,1), (2,1), (2,2); (1,2) is entirely in the future
-      acc1 = blk(q1, h1[0], h1[1], r1, h1[2])
-      acc2 = bw.merge(*blk(q2, h1[0], h1[1], r2, h1[2]), *blk(q2, h2[0], h2[1], r2, h2[2]))
-    else:
-      early = (rank - i) % cp < rank  # the source rank precedes this one
-      qa_, ra_ = _select(early, (q1, r1), (q2, r2))
-      p1 = blk(qa_, h1[0], h1[1], ra_, h1[2])
-      kb = _select(early, h1, h2)
-      p2 = blk(q2, kb[0], kb[1], r2, kb[2])
-      acc1 = bw.merge(*acc1, *_select(early, p1, _empty(*p1)))
-      acc2 = bw.merge(*acc2, *_select(early, _empty(*p1), p1))
-      acc2 = bw.merge(*acc2, *p2)
-    if i < cp - 1:
-      kv = jax.lax.ppermute(kv, axis_name, [(j, (j + 1) % cp) for j in range(cp)])
+    early = (rank - i) % cp < rank  # the source rank precedes this one
+    qa_, ra_ = _select(early, (q1, r1), (q2, r2))
+    p1 = blk(qa_, h1[0], h1[1], ra_, h1[2])
+    kb = _select(early, h1, h2)
+    p2 = blk(q2, kb[0], kb[1], r2, kb[2])
+    acc1 = bw.merge(*acc1, *_select(early, p1, _empty(*p1)))
+    acc2 = bw.merge(*acc2, *_select(early, _empty(*p1), p1))
+    return (kv, acc1, bw.merge(*acc2, *p2)), None
+
+  if cp > 1:  # a scan, not an unrolled loop, so every step reuses the same buffers
+    (_, acc1, acc2), _ = jax.lax.scan(ring_step, (kv, acc1, acc2), jnp.arange(1, cp))
   out = jnp.concatenate([acc1[0], acc2[0]], axis=1).reshape(B, L, R, H, D)
   lse = jnp.concatenate([acc1[1], acc2[1]], axis=2).reshape(B, H, L, R)
   if W:
@@ -147,41 +152,42 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
   bwd = functools.partial(bw.blk_bwd, tile_q=tile, tile_k=tile)
   rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
   kv = (k, v, bw.Rows(pos, seg))
-  dq1 = jnp.zeros(q1.shape, jnp.float32)
-  dq2 = jnp.zeros(q2.shape, jnp.float32)
-  dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   perm = [(j, (j + 1) % cp) for j in range(cp)]
+  cat = lambda a, b: jnp.concatenate([a, b], axis=1)
 
-  for i in range(cp):
+  def split_kv(kv):
     k_, v_, kr = kv
-    h1 = (k_[:, :c], v_[:, :c], _take(kr, slice(0, c)))
-    h2 = (k_[:, c:], v_[:, c:], _take(kr, slice(c, None)))
-    if i == 0:
-      a = bwd(q1, *h1[:2], r1, h1[2], *g1)
-      b = bwd(q2, *h1[:2], r2, h1[2], *g2)
-      d = bwd(q2, *h2[:2], r2, h2[2], *g2)
-      dq1 = dq1 + a[0]
-      dq2 = dq2 + b[0] + d[0]
-      dk1, dv1 = a[1] + b[1], a[2] + b[2]
-      dk2, dv2 = d[1], d[2]
-    else:
-      early = (rank - i) % cp < rank
-      qa_, ra_, ga_ = _select(early, (q1, r1, g1), (q2, r2, g2))
-      a = bwd(qa_, *h1[:2], ra_, h1[2], *ga_)
-      kb = _select(early, h1, h2)
-      b = bwd(q2, *kb[:2], r2, kb[2], *g2)
-      dq1 = dq1 + jnp.where(early, a[0], 0.0)
-      dq2 = dq2 + jnp.where(early, 0.0, a[0]) + b[0]
-      dk1 = a[1] + jnp.where(early, b[1], 0.0)
-      dv1 = a[2] + jnp.where(early, b[2], 0.0)
-      dk2 = jnp.where(early, 0.0, b[1])
-      dv2 = jnp.where(early, 0.0, b[2])
-    dkv = (dkv[0] + jnp.concatenate([dk1, dk2], axis=1),
-           dkv[1] + jnp.concatenate([dv1, dv2], axis=1))
-    if cp > 1:  # accumulators travel with their K/V; the last hop returns them to the owner
-      dkv = jax.lax.ppermute(dkv, axis_name, perm)
-      if i < cp - 1:
-        kv = jax.lax.ppermute(kv, axis_name, perm)
+    return ((k_[:, :c], v_[:, :c], _take(kr, slice(0, c))),
+            (k_[:, c:], v_[:, c:], _take(kr, slice(c, None))))
+
+  # step 0, local: (1,1), (2,1), (2,2)
+  h1, h2 = split_kv(kv)
+  a = bwd(q1, *h1[:2], r1, h1[2], *g1)
+  b = bwd(q2, *h1[:2], r2, h1[2], *g2)
+  d = bwd(q2, *h2[:2], r2, h2[2], *g2)
+  dq1, dq2 = a[0], b[0] + d[0]
+  dkv = (cat(a[1] + b[1], d[1]), cat(a[2] + b[2], d[2]))
+
+  def ring_step(carry, i):
+    """K/V of source rank - i arrive with their dK/dV accumulators; add this rank's share."""
+    kv, dkv, dq1, dq2 = carry
+    kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, perm)
+    h1, h2 = split_kv(kv)
+    early = (rank - i) % cp < rank
+    qa_, ra_, ga_ = _select(early, (q1, r1, g1), (q2, r2, g2))
+    a = bwd(qa_, *h1[:2], ra_, h1[2], *ga_)
+    kb = _select(early, h1, h2)
+    b = bwd(q2, *kb[:2], r2, kb[2], *g2)
+    dq1 = dq1 + jnp.where(early, a[0], 0.0)
+    dq2 = dq2 + jnp.where(early, 0.0, a[0]) + b[0]
+    zero = jnp.zeros_like(b[1])
+    dk = cat(a[1] + jnp.where(early, b[1], 0.0), jnp.where(early, zero, b[1]))
+    dv = cat(a[2] + jnp.where(early, b[2], 0.0), jnp.where(early, zero, b[2]))
+    return (kv, (dkv[0] + dk, dkv[1] + dv), dq1, dq2), None
+
+  if cp > 1:
+    (_, dkv, dq1, dq2), _ = jax.lax.scan(ring_step, (kv, dkv, dq1, dq2), jnp.arange(1, cp))
+    dkv = jax.lax.ppermute(dkv, axis_name, perm)  # the last hop returns them to the owner
 
   dq_rows = jnp.concatenate([dq1, dq2], axis=1).reshape(B, L, R, H, D)
   dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]

@@ -62,7 +62,7 @@ def compile_memory(impl: str, *, S: int, cp: int, B: int, H: int, K: int, D: int
           "compile_seconds": time.perf_counter() - t0}
 
 
-def dense_estimate(*, S, B, H, W, branch) -> int:
+def dense_estimate(*, S, B, H, W, branch, **_) -> int:
   """Analytic float32 score bytes of the dense oracle (it materialises every score)."""
   return int(4 * B * H * (S * S + S * W * (S + W)))
 
