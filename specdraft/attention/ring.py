@@ -42,12 +42,19 @@ def _take(rows: bw.Rows, sl):
   return bw.Rows(*(None if a is None else a[:, sl] for a in rows))
 
 
-def _select(pred, a, b):
-  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+def _dyn(x, start, size, axis=1):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _empty(out, lse):
-  return jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)
+def _dyn_rows(rows: bw.Rows, start, size):
+  return bw.Rows(*(None if a is None else _dyn(a, start, size) for a in rows))
+
+
+def _halves(kv, c):
+  """Split local (k, v, rows) into its two zigzag chunks."""
+  k, v, kr = kv
+  return ((k[:, :c], v[:, :c], _take(kr, slice(0, c))),
+          (k[:, c:], v[:, c:], _take(kr, slice(c, None))))
 
 
 def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile):
@@ -61,35 +68,38 @@ def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
   kv = (k, v, bw.Rows(pos, seg))
   rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
 
-  def halves(kv):
-    k_, v_, kr = kv
-    return ((k_[:, :c], v_[:, :c], _take(kr, slice(0, c))),
-            (k_[:, c:], v_[:, c:], _take(kr, slice(c, None))))
-
   # step 0, local causal: (1,1), (2,1), (2,2); (1,2) is entirely in the future
-  h1, h2 = halves(kv)
+  h1, h2 = _halves(kv, c)
   acc1 = blk(q1, h1[0], h1[1], r1, h1[2])
   acc2 = bw.merge(*blk(q2, h1[0], h1[1], r2, h1[2]), *blk(q2, h2[0], h2[1], r2, h2[2]))
+  acc = (jnp.concatenate([acc1[0], acc2[0]], axis=1), jnp.concatenate([acc1[1], acc2[1]], axis=2))
   perm = [(j, (j + 1) % cp) for j in range(cp)]
+  n1 = c * R
 
   def ring_step(carry, i):
-    """Receive the previous rank's K/V (source = rank - i) and compute two sub-blocks."""
-    kv, acc1, acc2 = carry
+    """Receive the previous rank's K/V (source = rank - i) and compute two sub-blocks.
+
+    The chunk choices are dynamic slices (not selects), so the float32 accumulators are updated
+    in place and no chunk-sized copies are made."""
+    kv, (out_acc, lse_acc) = carry
     kv = jax.lax.ppermute(kv, axis_name, perm)
-    h1, h2 = halves(kv)
+    k_, v_, kr = kv
     early = (rank - i) % cp < rank  # the source rank precedes this one
-    qa_, ra_ = _select(early, (q1, r1), (q2, r2))
-    p1 = blk(qa_, h1[0], h1[1], ra_, h1[2])
-    kb = _select(early, h1, h2)
-    p2 = blk(q2, kb[0], kb[1], r2, kb[2])
-    acc1 = bw.merge(*acc1, *_select(early, p1, _empty(*p1)))
-    acc2 = bw.merge(*acc2, *_select(early, _empty(*p1), p1))
-    return (kv, acc1, bw.merge(*acc2, *p2)), None
+    off_q = jnp.where(early, 0, n1)  # local chunk that meets incoming chunk 1
+    off_k = jnp.where(early, 0, c)  # incoming chunk that local chunk 2 meets (besides chunk 1)
+    p1 = blk(_dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1),
+             _take(kr, slice(0, c)))
+    p2 = blk(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c))
+    m = bw.merge(_dyn(out_acc, off_q, n1), _dyn(lse_acc, off_q, n1, axis=2), *p1)
+    out_acc = jax.lax.dynamic_update_slice_in_dim(out_acc, m[0], off_q, axis=1)
+    lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, m[1], off_q, axis=2)
+    m = bw.merge(out_acc[:, n1:], lse_acc[:, :, n1:], *p2)
+    return (kv, (out_acc.at[:, n1:].set(m[0]), lse_acc.at[:, :, n1:].set(m[1]))), None
 
   if cp > 1:  # a scan, not an unrolled loop, so every step reuses the same buffers
-    (_, acc1, acc2), _ = jax.lax.scan(ring_step, (kv, acc1, acc2), jnp.arange(1, cp))
-  out = jnp.concatenate([acc1[0], acc2[0]], axis=1).reshape(B, L, R, H, D)
-  lse = jnp.concatenate([acc1[1], acc2[1]], axis=2).reshape(B, H, L, R)
+    (_, acc), _ = jax.lax.scan(ring_step, (kv, acc), jnp.arange(1, cp))
+  out = acc[0].reshape(B, L, R, H, D)
+  lse = acc[1].reshape(B, H, L, R)
   if W:
     o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
     # merge expects [B,T,H,D] / [B,H,T]: flatten (L, W) into T
@@ -155,41 +165,42 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
   perm = [(j, (j + 1) % cp) for j in range(cp)]
   cat = lambda a, b: jnp.concatenate([a, b], axis=1)
 
-  def split_kv(kv):
-    k_, v_, kr = kv
-    return ((k_[:, :c], v_[:, :c], _take(kr, slice(0, c))),
-            (k_[:, c:], v_[:, c:], _take(kr, slice(c, None))))
-
   # step 0, local: (1,1), (2,1), (2,2)
-  h1, h2 = split_kv(kv)
+  h1, h2 = _halves(kv, c)
   a = bwd(q1, *h1[:2], r1, h1[2], *g1)
   b = bwd(q2, *h1[:2], r2, h1[2], *g2)
   d = bwd(q2, *h2[:2], r2, h2[2], *g2)
   dq1, dq2 = a[0], b[0] + d[0]
   dkv = (cat(a[1] + b[1], d[1]), cat(a[2] + b[2], d[2]))
 
+  dq = jnp.concatenate([dq1, dq2], axis=1)
+  g_all = (do_rows, lse_rows, delta_rows)
+
   def ring_step(carry, i):
-    """K/V of source rank - i arrive with their dK/dV accumulators; add this rank's share."""
-    kv, dkv, dq1, dq2 = carry
-    kv, dkv = jax.lax.ppermute((kv, dkv), axis_name, perm)
-    h1, h2 = split_kv(kv)
+    """K/V of source rank - i arrive with their dK/dV accumulators; add this rank's share.
+    Chunk choices are dynamic slices so accumulators update in place."""
+    kv, (dk, dv), dq = carry
+    kv, (dk, dv) = jax.lax.ppermute((kv, (dk, dv)), axis_name, perm)
+    k_, v_, kr = kv
     early = (rank - i) % cp < rank
-    qa_, ra_, ga_ = _select(early, (q1, r1, g1), (q2, r2, g2))
-    a = bwd(qa_, *h1[:2], ra_, h1[2], *ga_)
-    kb = _select(early, h1, h2)
-    b = bwd(q2, *kb[:2], r2, kb[2], *g2)
-    dq1 = dq1 + jnp.where(early, a[0], 0.0)
-    dq2 = dq2 + jnp.where(early, 0.0, a[0]) + b[0]
-    zero = jnp.zeros_like(b[1])
-    dk = cat(a[1] + jnp.where(early, b[1], 0.0), jnp.where(early, zero, b[1]))
-    dv = cat(a[2] + jnp.where(early, b[2], 0.0), jnp.where(early, zero, b[2]))
-    return (kv, (dkv[0] + dk, dkv[1] + dv), dq1, dq2), None
+    off_q = jnp.where(early, 0, n1)
+    off_k = jnp.where(early, 0, c)
+    ga_ = (_dyn(g_all[0], off_q, n1), _dyn(g_all[1], off_q, n1, axis=2),
+           _dyn(g_all[2], off_q, n1, axis=2))
+    a = bwd(_dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1),
+            _take(kr, slice(0, c)), *ga_)
+    b = bwd(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c), *g2)
+    upd = lambda x, d, off, n: jax.lax.dynamic_update_slice_in_dim(x, _dyn(x, off, n) + d, off, 1)
+    dq = upd(dq, a[0], off_q, n1).at[:, n1:].add(b[0])
+    dk = upd(dk.at[:, :c].add(a[1]), b[1], off_k, c)
+    dv = upd(dv.at[:, :c].add(a[2]), b[2], off_k, c)
+    return (kv, (dk, dv), dq), None
 
   if cp > 1:
-    (_, dkv, dq1, dq2), _ = jax.lax.scan(ring_step, (kv, dkv, dq1, dq2), jnp.arange(1, cp))
+    (_, dkv, dq), _ = jax.lax.scan(ring_step, (kv, dkv, dq), jnp.arange(1, cp))
     dkv = jax.lax.ppermute(dkv, axis_name, perm)  # the last hop returns them to the owner
 
-  dq_rows = jnp.concatenate([dq1, dq2], axis=1).reshape(B, L, R, H, D)
+  dq_rows = dq.reshape(B, L, R, H, D)
   dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
   dk_br = dv_br = None
   if W:
