@@ -152,57 +152,126 @@ def soft_cross_entropy(target_logits_BSV, logits_BSV):
   return -jnp.sum(p * jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def ttt_forward(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, tokens_BS, positions_BS,
-                segment_ids_BS, *, attn_impl: str = "dense", mesh=None):
-  """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
-  K = cfg.ttt_steps
-  in_toks, _ = ttt_targets(tokens_BS, segment_ids_BS, jnp.zeros_like(tokens_BS), K)
+def natural_shift(x, n: int, fill=0):
+  """x[:, t + n] along axis 1 (natural token order), `fill` past the end."""
+  if n == 0:
+    return x
+  S = x.shape[1]
+  pad = jnp.full((x.shape[0], min(n, S)) + x.shape[2:], fill, x.dtype)
+  return jnp.concatenate([x[:, n:], pad], axis=1)[:, :S]
+
+
+def _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS, *,
+                shift, attend):
+  """Draft logits of every TTT step [K,B,S,V]; `shift(x, n, fill)` is x[t+n] in global order
+  (natural or zigzag), `attend(q0, k0, v0, q_br, k_br, v_br)` the trunk+branch attention."""
+  seg = segment_ids_BS
+
+  def in_doc(n):
+    return (shift(seg, n, 0) == seg) & (seg != 0)
+
   feat = fuse(dp, taps_NBSE, cfg)
-  q0, k0, v0 = _qkv(dp, embed_table, feat, in_toks[0], positions_BS, cfg)
+  tok = lambda k: jnp.where(in_doc(1 + k), shift(tokens_BS, 1 + k, 0), 0)
+  q0, k0, v0 = _qkv(dp, embed_table, feat, tok(0), positions_BS, cfg)
   B, S, H, D = q0.shape
   empty_q = jnp.zeros((B, S, 0, H, D), q0.dtype)
   empty_kv = jnp.zeros((B, S, 0) + k0.shape[2:], k0.dtype)
-  o0, _ = branch_attention(q0, k0, v0, empty_q, empty_kv, empty_kv, segment_ids_BS, branch="ttt",
-                           impl=attn_impl, mesh=mesh)
+  o0, _ = attend(q0, k0, v0, empty_q, empty_kv, empty_kv)
   h = _finish(dp, feat, o0, cfg)
   all_logits = [logits_of(dp, h, cfg)]
   qs, ks, vs = [], [], []
-  for k in range(1, K):
-    q, kk, v = _qkv(dp, embed_table, h, in_toks[k], positions_BS + k, cfg)
+  for k in range(1, cfg.ttt_steps):
+    q, kk, v = _qkv(dp, embed_table, h, tok(k), positions_BS + k, cfg)
     qs.append(q)
     ks.append(kk)
     vs.append(v)
-    _, o_br = branch_attention(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2),
-                               segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
+    _, o_br = attend(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2))
     h = _finish(dp, h, o_br[:, :, k - 1], cfg)
     all_logits.append(logits_of(dp, h, cfg))
   return jnp.stack(all_logits)
 
 
+def _ttt_loss_core(dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
+                   segment_ids_BS, loss_mask_BS, *, shift, attend, total):
+  """The TTT loss from global sums (`total` sums over the whole batch, across shards)."""
+  seg = segment_ids_BS
+  logits = _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, seg,
+                       shift=shift, attend=attend)
+  pl = jax.lax.stop_gradient(policy_logits_BSV)
+  mask = loss_mask_BS.astype(jnp.float32)
+  loss, norm, metrics = 0.0, 0.0, {}
+  for k in range(cfg.ttt_steps):
+    w = jnp.where((shift(seg, 2 + k, 0) == seg) & (seg != 0), shift(mask, 2 + k, 0.0), 0.0)
+    target = shift(pl, 1 + k, 0.0)  # the policy's distribution at t+1+k
+    ce = soft_cross_entropy(target, logits[k])
+    n = jnp.maximum(total(w), 1.0)
+    agree = (jnp.argmax(logits[k], -1) == jnp.argmax(target, -1)) * w
+    metrics[f"ttt_acc_{k}"] = total(agree) / n
+    loss = loss + cfg.ttt_decay**k * total(ce * w) / n
+    norm += cfg.ttt_decay**k
+  metrics["draft_loss"] = loss / norm
+  return loss / norm, metrics
+
+
+def ttt_forward(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, tokens_BS, positions_BS,
+                segment_ids_BS, *, attn_impl: str = "dense", mesh=None):
+  """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
+  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl,
+                                       mesh=mesh)
+  return _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS,
+                     shift=natural_shift, attend=attend)
+
+
 def ttt_loss(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS,
-             positions_BS, segment_ids_BS, loss_mask_BS, *, attn_impl: str = "dense", mesh=None):
+             positions_BS, segment_ids_BS, loss_mask_BS, *, attn_impl: str = "dense", mesh=None,
+             cp_axis: str = "cp"):
   """Soft cross-entropy to the (stop-gradient) policy distribution, step k weighted decay**k.
 
+  attn_impl="ring" runs the whole loss per shard over `cp_axis` on data laid out in zigzag order
+  once (`ttt_loss_cp`); "dense" and "allgather" run on natural-order arrays.
   Returns (loss, metrics) with per-step top-1 agreement with the policy (`ttt_acc_k`).
   """
-  K = cfg.ttt_steps
-  logits = ttt_forward(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS,
-                       attn_impl=attn_impl, mesh=mesh)
-  _, w = ttt_targets(tokens_BS, segment_ids_BS, loss_mask_BS, K)
-  total, norm, metrics = 0.0, 0.0, {}
-  pl = jax.lax.stop_gradient(policy_logits_BSV)
-  for k in range(K):
-    target = shift_within_segment_logits(pl, segment_ids_BS, 1 + k)
-    ce = soft_cross_entropy(target, logits[k])
-    n = jnp.maximum(w[k].sum(), 1.0)
-    step_loss = (ce * w[k]).sum() / n
-    agree = (jnp.argmax(logits[k], -1) == jnp.argmax(target, -1)) * w[k]
-    metrics[f"ttt_acc_{k}"] = agree.sum() / n
-    total = total + cfg.ttt_decay**k * step_loss
-    norm += cfg.ttt_decay**k
-  loss = total / norm
-  metrics["draft_loss"] = loss
-  return loss, metrics
+  args = (dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
+          segment_ids_BS, loss_mask_BS)
+  if attn_impl == "ring":
+    return ttt_loss_cp(*args, mesh=mesh, cp_axis=cp_axis)
+  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl,
+                                       mesh=mesh, cp_axis=cp_axis)
+  return _ttt_loss_core(*args, shift=natural_shift, attend=attend, total=jnp.sum)
+
+
+def ttt_loss_cp(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_logits_BSV,
+                tokens_BS, positions_BS, segment_ids_BS, loss_mask_BS, *, mesh, cp_axis="cp"):
+  """The TTT loss under context parallelism: every per-token array is padded and laid out in
+  zigzag order once; each shard shifts with `zigzag.shift_local`, attends with the ring's
+  per-shard function and contributes partial sums that are psum-ed over `cp_axis`."""
+  from jax.sharding import PartitionSpec as P
+
+  from specdraft.attention import ring
+  from specdraft.parallel import zigzag
+
+  if mesh is None or cp_axis not in mesh.shape:
+    raise ValueError(f"attn_impl='ring' needs a mesh with a {cp_axis!r} axis (got {mesh})")
+  cp = mesh.shape[cp_axis]
+  B, S = tokens_BS.shape
+  S_pad = zigzag.padded_length(S, cp)
+  lay = lambda x, axis=1: zigzag.to_zigzag(zigzag.pad(x, S_pad, axis), cp, axis)
+  gpos = zigzag.to_zigzag(jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad)), cp)
+
+  def body(dp, embed_table, taps, logits, tokens, positions, seg, mask, gpos):
+    shift = lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill)
+    attend = lambda *a: ring.ring_attention_shard(*a, seg, gpos, branch="ttt",
+                                                  axis_name=cp_axis, cp=cp)
+    total = lambda x: jax.lax.psum(jnp.sum(x), cp_axis)
+    return _ttt_loss_core(dp, cfg, embed_table, taps, logits, tokens, positions, seg, mask,
+                          shift=shift, attend=attend, total=total)
+
+  tok = P(None, cp_axis)  # [B, S, ...] arrays: sequence axis over cp
+  fn = jax.shard_map(body, mesh=mesh,
+                     in_specs=(P(), P(), P(None, None, cp_axis), tok, tok, tok, tok, tok, tok),
+                     out_specs=P(), check_vma=False)
+  return fn(dp, embed_table, lay(taps_NBSE, 2), lay(policy_logits_BSV), lay(tokens_BS),
+            lay(positions_BS), lay(segment_ids_BS), lay(loss_mask_BS.astype(jnp.float32)), gpos)
 
 
 def shift_within_segment_logits(logits_BSV, segment_ids_BS, n: int):
