@@ -8,7 +8,6 @@ from specdraft.parallel import layouts
 from specdraft.parallel.mesh import check_mesh
 from specdraft.tasks import TASKS, CharTokenizer, make_task
 
-
 ROLLOUT_DRAFTS = ("cotrained", "fixed", "none")
 
 

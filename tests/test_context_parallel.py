@@ -1,7 +1,6 @@
 """Context parallelism: zigzag layout, blockwise primitives, ring and all-gather branch attention
 against the dense oracle, in value and gradient, on 8 simulated devices."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

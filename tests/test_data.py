@@ -3,9 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from specdraft.tasks import CharTokenizer, load_jsonl
+from specdraft.tasks import CharTokenizer, load_jsonl, loader
 from specdraft.tasks import datasets as task_data
-from specdraft.tasks import loader
 from specdraft.tasks.tokenizer import EOS
 
 

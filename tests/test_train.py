@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default as default_config
 from specdraft.decode import autoregressive
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.tasks.tokenizer import EOS, PAD
 from specdraft.train import loop
 from specdraft.train import step as step_lib
-from configs import default as default_config
 
 
 def _batch(seed, B=8, S=24, V=99):

@@ -6,7 +6,6 @@ Shape letters: N rollouts (= prompts x group size), S tokens.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 ADVANTAGES = ("grpo", "drgrpo", "rloo")

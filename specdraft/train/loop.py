@@ -25,13 +25,11 @@ from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.rl import grpo
-from specdraft.tasks import CharTokenizer, Example, make_task
+from specdraft.tasks import CharTokenizer, Example, loader, make_task
 from specdraft.tasks import datasets as task_data
-from specdraft.tasks import loader
 from specdraft.train import checkpoint as ckpt_lib
 from specdraft.train import draft as draft_lib
 from specdraft.train import step as step_lib
-
 
 # ----------------------------------------------------------------------------- setup
 
