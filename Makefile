@@ -7,7 +7,7 @@ CONFIG ?= configs/default.py
 RUN_NAME ?= default
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
 
-.PHONY: run test test-fast lint format clean venv
+.PHONY: run test test-slow test-all lint format clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,11 +20,16 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python experiments/train.py --config=$(CONFIG) --workdir=runs/$(RUN_NAME)
 
+# The everyday suite; tests marked slow (a killed-and-resumed run, a trained tiny policy) run in
+# `make test-slow`, and CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -m "not slow" --durations=10
 
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow"
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest tests -m slow --durations=10
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest tests --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check specdraft configs experiments tests

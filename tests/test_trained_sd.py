@@ -25,6 +25,7 @@ def trained(tmp_path_factory):
   return ctx, params, dparams
 
 
+@pytest.mark.slow
 def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
   ctx, params, dparams = trained
   exs = ctx.eval_examples[:16]
@@ -43,6 +44,7 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
     assert st["policy_passes"] < int(ar.stats["policy_passes"])
 
 
+@pytest.mark.slow
 def test_distilled_draft_accepts_at_temperature_one(trained):
   ctx, params, dparams = trained
   prompts, lengths = loader.prompt_batch(ctx.eval_examples[:16], ctx.tok, ctx.prompt_len)
