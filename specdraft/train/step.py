@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -92,26 +94,15 @@ def entropy_of(logits_BSV, mask_BS):
   return jnp.sum(ent * m) / jnp.maximum(m.sum(), 1.0)
 
 
-def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draft: bool = True,
-                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
-                 mesh=None):
-  """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
+def cotrain_objective(theta, phi, logits, taps, batch, ref_logp=None, *, pcfg, dcfg, rl_cfg,
+                      lam: float, train_draft: bool = True, attn_impl: str = "dense", mesh=None):
+  """L_RL + lam * L_draft from the policy's logits and (stop-gradient) taps of ONE forward.
 
-  `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
-  positions, segment_ids, loss_mask on completion tokens), behaviour `logprobs` and `advantages`.
-  """
+  Shared by the single-program step and the pipelined one (where it runs on the last stage)."""
   from specdraft.model import eagle3
   from specdraft.rl import grpo
 
-  theta, phi = trainable["policy"], trainable["draft"]
-  logits, taps = pol.forward(theta, pcfg, batch["tokens"], batch["positions"],
-                             batch["segment_ids"], stop_tap_gradient=stop_tap_gradient)
   logp = completion_logprobs(logits, batch["tokens"])
-  ref_logp = None
-  if ref_params is not None and rl_cfg.beta > 0:
-    ref_logits, _ = pol.forward(jax.lax.stop_gradient(ref_params), pcfg, batch["tokens"],
-                                batch["positions"], batch["segment_ids"])
-    ref_logp = completion_logprobs(ref_logits, batch["tokens"])
   rl_loss, metrics = grpo.policy_loss(
     logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], eps_low=rl_cfg.eps_low,
     eps_high=rl_cfg.eps_high, aggregation=rl_cfg.aggregation,
@@ -130,17 +121,57 @@ def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draf
   return total, metrics
 
 
+def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draft: bool = True,
+                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
+                 mesh=None, pipeline=None):
+  """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
+
+  `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
+  positions, segment_ids, loss_mask on completion tokens), behaviour `logprobs` and `advantages`.
+  With `pipeline` (a `model.pipelined.PipelineSpec`) the policy runs as a pipeline over the
+  mesh's 'pp' axis, the taps reach the last stage through the TapChannel and the objective
+  (RL loss and the draft's loss) runs there.
+  """
+  theta, phi = trainable["policy"], trainable["draft"]
+  use_ref = ref_params is not None and rl_cfg.beta > 0
+  objective = functools.partial(cotrain_objective, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
+                                train_draft=train_draft, attn_impl=attn_impl,
+                                mesh=None if pipeline is not None else mesh)
+  if pipeline is not None:
+    from specdraft.model import pipelined
+
+    if attn_impl != "dense":
+      raise ValueError(f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
+                       "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')")
+
+    def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
+      ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
+      return objective(theta, phi, logits, taps, batch, ref_logp)
+
+    return pipelined.loss(theta, phi, batch, on_last_stage, pcfg=pcfg, mesh=mesh, spec=pipeline,
+                          stop_tap_gradient=stop_tap_gradient,
+                          ref_theta=ref_params if use_ref else None)
+  logits, taps = pol.forward(theta, pcfg, batch["tokens"], batch["positions"],
+                             batch["segment_ids"], stop_tap_gradient=stop_tap_gradient)
+  ref_logp = None
+  if use_ref:
+    ref_logits, _ = pol.forward(jax.lax.stop_gradient(ref_params), pcfg, batch["tokens"],
+                                batch["positions"], batch["segment_ids"])
+    ref_logp = completion_logprobs(ref_logits, batch["tokens"])
+  return objective(theta, phi, logits, taps, batch, ref_logp)
+
+
 def cotrain_step(state, batch, *, pcfg, dcfg, rl_cfg, tx, lam: float, train_draft: bool = True,
                  ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
-                 mesh=None):
+                 mesh=None, pipeline=None):
   """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}.
 
   `attn_impl`/`mesh` select the draft's branch attention ("ring" or "allgather" over the mesh's
-  'cp' axis for long contexts)."""
+  'cp' axis for long contexts); `pipeline` (a PipelineSpec) pipelines the policy over 'pp'."""
   (_, metrics), grads = jax.value_and_grad(cotrain_loss, has_aux=True)(
     state["params"], batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
     train_draft=train_draft, ref_params=ref_params, stop_tap_gradient=stop_tap_gradient,
-    attn_impl=attn_impl, mesh=mesh)
+    attn_impl=attn_impl, mesh=mesh, pipeline=pipeline)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
   metrics["draft_grad_norm"] = optax.tree.norm(grads["draft"])

@@ -1,0 +1,202 @@
+"""The policy run as a pipeline over 'pp', its taps carried to the last stage by the TapChannel.
+
+Composition of `parallel.pipeline` (schedule) and `parallel.tap` (channel) with the policy:
+stage `s` runs layers `[s L/P, (s+1) L/P)` with `policy.run_layers`; the embedding runs on the
+first stage, the final norm, head and whatever objective the caller gives (RL loss, the draft's
+loss) on the last stage. Only the 'pp' axis is manual inside the shard_map; data/fsdp/tensor
+sharding of the batch and the weights is left to the compiler.
+
+Shape letters as in policy.py; M microbatches of b = B/M rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from specdraft.model import policy as pol
+from specdraft.parallel import pipeline as pipe
+from specdraft.parallel.tap import MODES, TapChannel, TapPlan, stage_buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """How the policy is pipelined (config section `parallel.pipeline`)."""
+
+  microbatches: int = 4
+  tap_mode: str = "direct"
+  tap_delay: bool = False
+  remat: bool = False
+  axis_name: str = "pp"
+
+  def __post_init__(self):
+    if not isinstance(self.microbatches, int) or self.microbatches < 1:
+      raise ValueError(f"parallel.pipeline.microbatches={self.microbatches!r} must be an int >= 1")
+    if self.tap_mode not in MODES:
+      raise ValueError(f"parallel.pipeline.tap_mode={self.tap_mode!r} is unknown; expected one "
+                       f"of {MODES}")
+    if self.tap_delay and self.tap_mode != "direct":
+      raise ValueError("parallel.pipeline.tap_delay=True only applies to tap_mode='direct'")
+
+  @classmethod
+  def from_config(cls, pipeline_cfg) -> PipelineSpec:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: pipeline_cfg[k] for k in names if k in pipeline_cfg})
+
+
+def tap_plan(pcfg: pol.PolicyConfig, num_stages: int) -> TapPlan:
+  return TapPlan(tuple(pcfg.taps), pcfg.n_layers, num_stages)
+
+
+def num_stages(mesh, axis_name: str = "pp") -> int:
+  if axis_name not in mesh.shape:
+    raise ValueError(f"pipelining needs a mesh with a {axis_name!r} axis (mesh axes "
+                     f"{tuple(mesh.shape)})")
+  return int(mesh.shape[axis_name])
+
+
+def check(pcfg: pol.PolicyConfig, spec: PipelineSpec, num_stages: int, batch_rows: int) -> TapPlan:
+  """Clear errors before anything compiles: stages, tap layers, microbatches."""
+  plan = tap_plan(pcfg, num_stages)
+  if batch_rows % spec.microbatches:
+    raise ValueError(f"batch of {batch_rows} rows cannot be split into "
+                     f"parallel.pipeline.microbatches={spec.microbatches}")
+  return plan
+
+
+def param_specs(theta) -> Any:
+  """In-specs of the policy parameters over 'pp': stacked layers split by stage, the rest
+  (embedding, final norm, head) on every stage (their gradients are summed over 'pp')."""
+  return {k: (jax.tree.map(lambda _: P("pp"), v) if k == "layers" else
+              jax.tree.map(lambda _: P(), v)) for k, v in theta.items()}
+
+
+def _stage_fn(pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str,
+              stop_tap_gradient: bool):
+  def fn(layers, x, side):
+    pos, seg = side
+    tap_at = () if plan is None else plan.local_union
+    x, union, _ = pol.run_layers(layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg,
+                                 tap_at=tap_at)
+    if plan is None:
+      return x, None
+    buf = stage_buffer(plan, union, jax.lax.axis_index(axis_name))
+    return x, (jax.lax.stop_gradient(buf) if stop_tap_gradient else buf)
+  return fn
+
+
+def _run(theta, tokens_M, pos_M, seg_M, *, pcfg, spec: PipelineSpec, plan: TapPlan | None,
+         stages: int, stop_tap_gradient: bool, return_sent: bool = False):
+  """Inside the shard_map: embedding, the pipelined layer stack, the tap channel."""
+  emb = pol.embed(theta, tokens_M, pcfg)  # [M,b,S,E]; used by the first stage
+  channel = None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay,
+                                                 spec.axis_name)
+  fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient)
+  return pipe.gpipe(fn, theta["layers"], emb, (pos_M, seg_M), num_stages=stages,
+                    axis_name=spec.axis_name, channel=channel, remat=spec.remat,
+                    return_sent=return_sent)
+
+
+def _taps_from(recv_MNbSE):
+  """Receiver buffer [M,N,b,S,E] -> tap layers [N,B,S,E] in natural row order."""
+  return jax.vmap(pipe.merge_microbatches, in_axes=1)(recv_MNbSE)
+
+
+def _defaults(tokens_BS, positions_BS, segment_ids_BS):
+  B, S = tokens_BS.shape
+  if positions_BS is None:
+    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if segment_ids_BS is None:
+    segment_ids_BS = jnp.ones((B, S), jnp.int32)
+  return positions_BS, segment_ids_BS
+
+
+def forward(theta, pcfg: pol.PolicyConfig, tokens_BS, positions_BS=None, segment_ids_BS=None, *,
+            mesh, spec: PipelineSpec, stop_tap_gradient: bool = True):
+  """Pipelined counterpart of `policy.forward`: (logits_BSV, Taps, sent) where `sent` is every
+  stage's own tap buffer per microbatch [P, M, n_max, b, S, E] (what each stage sent).
+
+  The logits and taps are those the last stage holds (its receiver buffer for the taps).
+  For tests and benchmarks; training uses `loss` (the objective runs on the last stage).
+  """
+  positions_BS, segment_ids_BS = _defaults(tokens_BS, positions_BS, segment_ids_BS)
+  stages = num_stages(mesh, spec.axis_name)
+  plan = check(pcfg, spec, stages, tokens_BS.shape[0])
+  split = lambda x: pipe.split_microbatches(x, spec.microbatches)
+
+  def body(theta, tokens_M, pos_M, seg_M):
+    outs, recv, sent = _run(theta, tokens_M, pos_M, seg_M, pcfg=pcfg, spec=spec, plan=plan,
+                            stages=stages, stop_tap_gradient=stop_tap_gradient,
+                            return_sent=True)
+    h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
+    return logits[None], _taps_from(recv)[None], h[None], sent[None]
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs(theta), P(), P(), P()),
+                     out_specs=P(spec.axis_name), axis_names={spec.axis_name})
+  logits, layers, h, sent = fn(theta, split(tokens_BS), split(positions_BS),
+                               split(segment_ids_BS))
+  taps = pol.Taps(layers[-1], h[-1])
+  if stop_tap_gradient:
+    taps = jax.lax.stop_gradient(taps)
+  return logits[-1], taps, sent
+
+
+Objective = Callable[..., tuple[jax.Array, dict]]
+
+
+def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, mesh,
+         spec: PipelineSpec, stop_tap_gradient: bool = True, ref_theta=None):
+  """Runs the policy as a pipeline and `objective` on the last stage; returns (loss, metrics).
+
+  objective(theta, extra, logits_BSV, taps: Taps, batch, ref_logits_BSV or None)
+    -> (scalar loss, {name: scalar})
+  `extra` (e.g. the draft's parameters) and `batch` are visible on every stage; only the last
+  stage evaluates the objective (`lax.cond`), the others contribute zeros, and the result is
+  summed over 'pp'. `ref_theta` (a frozen reference policy) runs through the same pipeline
+  without taps.
+  """
+  tokens = batch["tokens"]
+  positions, segs = _defaults(tokens, batch.get("positions"), batch.get("segment_ids"))
+  stages = num_stages(mesh, spec.axis_name)
+  plan = check(pcfg, spec, stages, tokens.shape[0])
+  split = lambda x: pipe.split_microbatches(x, spec.microbatches)
+  ax = spec.axis_name
+
+  def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
+    outs, recv, _ = _run(theta, tokens_M, pos_M, seg_M, pcfg=pcfg, spec=spec, plan=plan,
+                         stages=stages, stop_tap_gradient=stop_tap_gradient)
+    ref_outs = None
+    if ref_theta is not None:
+      ref_outs, _, _ = _run(jax.lax.stop_gradient(ref_theta), tokens_M, pos_M, seg_M, pcfg=pcfg,
+                            spec=spec, plan=None, stages=stages, stop_tap_gradient=True)
+
+    def last_stage(theta, extra, batch, outs, recv, ref_outs):
+      h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
+      taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
+      ref_logits = None
+      if ref_outs is not None:
+        _, ref_logits = pol.head(jax.lax.stop_gradient(ref_theta),
+                                 pipe.merge_microbatches(ref_outs), pcfg)
+        ref_logits = jax.lax.stop_gradient(ref_logits)
+      return objective(theta, extra, logits, taps, batch, ref_logits)
+
+    # Everything enters the cond already varying over 'pp': an invariant value turned varying
+    # inside a branch would put the transpose's psum inside the last stage's branch only (the
+    # other stages would never join it). Cast outside, the psum runs on every stage.
+    args = pipe.varying((theta, extra, batch, outs, recv, ref_outs), ax)
+    shapes = jax.eval_shape(last_stage, *args)
+    others = lambda *_: pipe.varying(
+      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), ax)
+    is_last = jax.lax.axis_index(ax) == stages - 1
+    out = jax.lax.cond(is_last, lambda *a: pipe.varying(last_stage(*a), ax), others, *args)
+    return jax.lax.psum(out, ax)
+
+  specs = param_specs(theta)
+  ref_specs = None if ref_theta is None else param_specs(ref_theta)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), ref_specs, P(), P(), P()),
+                     out_specs=P(), axis_names={ax})
+  return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))

@@ -1,0 +1,113 @@
+"""A GPipe-style microbatched pipeline over the mesh axis 'pp', for use inside `jax.shard_map`.
+
+Stage `s` owns a contiguous slice of stacked layer parameters (the leading axis sharded over
+'pp'). The loop runs `M + P - 1` iterations in one `lax.scan`: at iteration `i` stage `s` works
+on microbatch `m = i - s` (the others are bubble iterations whose results are never used), then
+every stage's output moves to the next stage with one `ppermute` `[(s, s+1)]`. The backward
+schedule comes from autodiff (the transpose of a ppermute is the inverse permutation).
+
+A `TapChannel` (parallel/tap.py) can ride along: the stage function returns a tap buffer
+beside its output and the channel moves it to the last stage on its own path; the main shift
+is the same program with or without it.
+
+Nothing here knows about models: `stage_fn(stage_params, x, side) -> (y, taps or None)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specdraft.parallel.tap import TapChannel
+
+
+def _is_varying(x, axis_name: str) -> bool:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return mat is not None and axis_name in mat.varying
+
+
+def varying(tree, axis_name: str):
+  """Marks values as varying over `axis_name` (zero-initialised scan carries, both branches of a
+  stage-dependent `cond`); values already varying are left alone."""
+  return jax.tree.map(
+    lambda x: x if _is_varying(x, axis_name) else jax.lax.pcast(x, (axis_name,), to="varying"),
+    tree)
+
+
+def split_microbatches(x, num_microbatches: int):
+  """[B, ...] -> [M, B/M, ...] with row r in microbatch r % M.
+
+  Interleaving keeps a batch sharded in contiguous blocks (over 'data') evenly spread: every
+  data shard holds the same rows of every microbatch, so no resharding is needed.
+  """
+  B = x.shape[0]
+  if B % num_microbatches:
+    raise ValueError(f"batch of {B} rows cannot be split into "
+                     f"parallel.pipeline.microbatches={num_microbatches}")
+  return jnp.swapaxes(x.reshape((B // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
+
+
+def merge_microbatches(x):
+  """Inverse of `split_microbatches`: [M, B/M, ...] -> [B, ...]."""
+  return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_name: str = "pp",
+          channel: TapChannel | None = None, remat: bool = False, return_sent: bool = False):
+  """Runs the pipeline; call inside shard_map with `axis_name` manual.
+
+  stage_params: this stage's parameters (its slice of the stacked layers).
+  first_inputs: [M, ...] the first stage's input for every microbatch (e.g. embeddings).
+  side: pytree of [M, ...] per-microbatch inputs every stage reads (positions, segment ids).
+  stage_fn(stage_params, x, side_m) -> (y, tap_buffer or None), y shaped like x.
+
+  Returns (outputs [M, ...], received taps [M, N, ...] or None, sent): outputs and received
+  taps are meaningful on the last stage only. With `return_sent`, `sent` is this stage's own
+  tap buffer for every microbatch [M, ...] (for tests and benchmarks), else None.
+  """
+  P = num_stages
+  M = first_inputs.shape[0]
+  n_iter = M + P - 1
+  stage = jax.lax.axis_index(axis_name)
+  fn = jax.checkpoint(stage_fn) if remat else stage_fn
+  shift = [(s, s + 1) for s in range(P - 1)]
+
+  x0 = varying(jnp.zeros_like(first_inputs[0]), axis_name)
+  probe = jax.eval_shape(fn, stage_params, x0, jax.tree.map(lambda a: a[0], side))
+  buf_aval = probe[1]
+  if channel is not None and buf_aval is None:
+    raise ValueError("a TapChannel needs a stage function that returns a tap buffer")
+  ch0 = None
+  if channel is not None:
+    ch0 = varying(channel.init(M, buf_aval.shape[1:], buf_aval.dtype), axis_name)
+
+  def body(carry, it):
+    x_prev, ch = carry
+    m = jnp.clip(it - stage, 0, M - 1)
+    x_first = jax.lax.dynamic_index_in_dim(first_inputs, jnp.clip(it, 0, M - 1), 0, False)
+    x_in = jnp.where(stage == 0, x_first, x_prev)
+    side_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, False), side)
+    y, buf = fn(stage_params, x_in, side_m)
+    if channel is not None:
+      ch = channel.step(ch, buf, it=it, stage=stage)
+    x_next = jax.lax.ppermute(y, axis_name, perm=shift) if P > 1 else y
+    return (x_next, ch), (y, buf if return_sent else None)
+
+  init = (x0, ch0)
+  (_, ch), (ys, bufs) = jax.lax.scan(body, init, jnp.arange(n_iter, dtype=jnp.int32))
+  outputs = ys[P - 1:]  # the last stage works on microbatch m at iteration m + P - 1
+  recv = None if channel is None else channel.finish(ch, num_iterations=n_iter, stage=stage)
+  sent = None
+  if return_sent and bufs is not None:
+    sent = jax.lax.dynamic_slice_in_dim(bufs, stage, M, 0)
+  return outputs, recv, sent
+
+
+def schedule(num_microbatches: int, num_stages: int):
+  """[(iteration, stage, microbatch or None)] of the GPipe forward (for docs and tests)."""
+  out = []
+  for it in range(num_microbatches + num_stages - 1):
+    for s in range(num_stages):
+      m = it - s
+      out.append((it, s, m if 0 <= m < num_microbatches else None))
+  return out
