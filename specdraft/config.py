@@ -142,5 +142,44 @@ def validate(config, *, num_devices: int | None = None) -> None:
           f"prompts_per_step * group_size must be divisible by data*fsdp={dp}")
   if config.eval.batch_size % dp:
     _fail("eval.batch_size", config.eval.batch_size, f"must be divisible by data*fsdp={dp}")
+  pp = int(p.mesh.get("pp", 1))
+  if pp > 1:
+    _validate_pipeline(config, pp)
   if CharTokenizer().vocab_size < 4:
     raise AssertionError("tokenizer vocabulary is broken")
+
+
+def _validate_pipeline(config, pp: int) -> None:
+  """Pipeline layouts: stages divide the layers, taps exist, microbatches divide the batches."""
+  from specdraft.model import pipelined
+  from specdraft.model.policy import default_tap_layers
+
+  m, p = config.model, config.parallel
+  if "pipeline" not in p:
+    _fail("parallel.pipeline", None, "pipeline layouts need a parallel.pipeline section "
+          "(microbatches, tap_mode, tap_delay, remat)")
+  try:
+    spec = pipelined.PipelineSpec.from_config(p.pipeline)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+  taps = tuple(m.tap_layers) if m.tap_layers is not None else default_tap_layers(m.n_layers)
+  try:
+    from specdraft.parallel.tap import TapPlan
+
+    plan = TapPlan(taps, int(m.n_layers), pp)
+  except ValueError as e:
+    raise ValueError(f"config.parallel.mesh.pp={pp} is invalid: {e}") from None
+  M = spec.microbatches
+  for field, rows in (("data.batch_size", config.data.batch_size),
+                      ("draft.batch_size", config.draft.batch_size),
+                      ("rl.prompts_per_step * rl.group_size",
+                       config.rl.prompts_per_step * config.rl.group_size)):
+    if rows % M:
+      _fail("parallel.pipeline.microbatches", M, f"must divide {field}={rows}")
+  if config.draft.attn_impl != "dense":
+    _fail("draft.attn_impl", config.draft.attn_impl,
+          "pipeline layouts run the draft on the last stage with 'dense' branch attention")
+  if spec.tap_mode == "off" and plan.sources and config.rollout.draft == "cotrained":
+    _fail("parallel.pipeline.tap_mode", "off",
+          f"the co-trained draft reads taps held by stages {plan.sources} ({plan.describe()}); "
+          "use 'direct' or 'bulk' ('off' is a timing control only)")

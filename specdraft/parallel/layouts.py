@@ -17,7 +17,7 @@ DEFAULT_RULES = (
   ("mlp", "tensor"),
   ("vocab", None),
   ("head_dim", None),
-  ("layers", None),
+  ("layers", "pp"),  # pipeline stages own contiguous layer slices
   ("length", None),
 )
 
@@ -43,9 +43,17 @@ def layout(name: str) -> dict:
   """{'name', 'devices', 'mesh': {axis: size}, 'rules': [(logical, mesh axes), ...]}.
 
   `devices` is 0 (the mesh must cover every device) or a count (use the first N).
+  `pipeline` configures the microbatched pipeline over 'pp' (ignored when pp = 1).
   """
   if name not in LAYOUTS:
     raise ValueError(f"parallel.layout={name!r} is unknown; expected one of {sorted(LAYOUTS)}")
   sizes = {a: 1 for a in AXES}
   sizes.update(LAYOUTS[name])
-  return {"name": name, "devices": 0, "mesh": sizes, "rules": [list(r) for r in DEFAULT_RULES]}
+  return {"name": name, "devices": 0, "mesh": sizes, "rules": [list(r) for r in DEFAULT_RULES],
+          "pipeline": dict(PIPELINE_DEFAULTS, microbatches=2 * sizes["pp"])}
+
+
+# Used when the layout has pp > 1 (model/pipelined.py): M microbatches (GPipe bubble fraction
+# (P-1)/(M+P-1)), how taps reach the last stage (off | direct | bulk | hop), direct sends delayed
+# one iteration, rematerialised stage bodies.
+PIPELINE_DEFAULTS = {"microbatches": 2, "tap_mode": "direct", "tap_delay": False, "remat": False}

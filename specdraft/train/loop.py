@@ -166,6 +166,13 @@ class Context:
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
     self.batch_sh = mesh_lib.batch_sharding(self.mesh, self.rules)
+    # Pipeline layouts (pp > 1): training steps run the policy as a pipeline over 'pp' with the
+    # draft on the last stage; rollouts and evaluation run the unpipelined decoder.
+    self.pipeline = None
+    if int(config.parallel.mesh.get("pp", 1)) > 1:
+      from specdraft.model.pipelined import PipelineSpec
+
+      self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
     self.prompt_len = prompt_len_for(self.task)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
@@ -202,7 +209,8 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
   state = init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
   sh = state_shardings(state)
-  train_step = jax.jit(functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx),
+  train_step = jax.jit(functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx, mesh=ctx.mesh,
+                                         pipeline=ctx.pipeline),
                        in_shardings=(sh, ctx.batch_sh), out_shardings=(sh, None),
                        donate_argnums=0)
   mlog, elog = ctx.log("sft_metrics.jsonl"), ctx.log("eval.jsonl")
@@ -258,7 +266,8 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
                                        prompt_len=ctx.prompt_len, seed=c.data.shuffle_seed + 1))
   step_fn = jax.jit(functools.partial(
     draft_lib.draft_iteration, pcfg=ctx.pcfg, dcfg=ctx.dcfg, tx=tx,
-    max_new_tokens=c.decode.max_new_tokens, temperature=dc.rollout_temperature),
+    max_new_tokens=c.decode.max_new_tokens, temperature=dc.rollout_temperature, mesh=ctx.mesh,
+    pipeline=ctx.pipeline),
     out_shardings=(replicated, None), donate_argnums=0)
   mlog = ctx.log("draft_metrics.jsonl")
   ckpt = ctx.checkpointer("draft")
@@ -321,7 +330,7 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
   step_fn = jax.jit(functools.partial(
     step_lib.cotrain_step, pcfg=ctx.pcfg, dcfg=ctx.dcfg, rl_cfg=rl, tx=tx, lam=rl.lam,
     train_draft=train_draft, ref_params=ref_params, attn_impl=c.draft.attn_impl,
-    mesh=ctx.mesh), donate_argnums=0)
+    mesh=ctx.mesh, pipeline=ctx.pipeline), donate_argnums=0)
   rollout = _rollout_fn(ctx, mode, N, rl.temperature)
 
   @jax.jit

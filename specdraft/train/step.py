@@ -41,8 +41,7 @@ def next_token_targets(batch):
   return targets, w.astype(jnp.float32)
 
 
-def sft_loss(params, cfg: pol.PolicyConfig, batch):
-  logits, _ = pol.forward(params, cfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+def sft_objective(logits, batch):
   targets, w = next_token_targets(batch)
   lp = token_logprobs(logits, targets)
   n = jnp.maximum(w.sum(), 1.0)
@@ -51,9 +50,24 @@ def sft_loss(params, cfg: pol.PolicyConfig, batch):
   return loss, {"loss": loss, "token_accuracy": acc, "tokens": w.sum()}
 
 
-def sft_step(state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransformation):
+def sft_loss(params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None):
+  """Next-token cross-entropy; with `pipeline` (a PipelineSpec) the policy runs as a pipeline
+  over the mesh's 'pp' axis and the loss on the last stage."""
+  if pipeline is not None:
+    from specdraft.model import pipelined
+
+    on_last_stage = lambda theta, extra, logits, taps, batch, ref_logits: sft_objective(logits,
+                                                                                        batch)
+    return pipelined.loss(params, None, batch, on_last_stage, pcfg=cfg, mesh=mesh, spec=pipeline)
+  logits, _ = pol.forward(params, cfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+  return sft_objective(logits, batch)
+
+
+def sft_step(state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransformation, mesh=None,
+             pipeline=None):
   """One pure SFT step on a state dict {step, params, opt_state}."""
-  (_, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(state["params"], cfg, batch)
+  (_, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
+    state["params"], cfg, batch, mesh=mesh, pipeline=pipeline)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
