@@ -1,0 +1,112 @@
+"""Collective traffic read from a compiled (per-device, SPMD-partitioned) HLO module.
+
+Every `collective-permute` (sync or `-start`) is listed with its source->target pairs, the bytes
+of its operand(s), and how many times it runs: the product of the trip counts
+(`known_trip_count`) of the while loops around it. Wire bytes = operand bytes x pairs x runs
+(each pair moves one copy of the operand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([0-9,]*)\]")
+_CALLEES = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)="
+                      r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Permute:
+  name: str
+  computation: str
+  pairs: tuple[tuple[int, int], ...]
+  operand_bytes: int  # per device, one execution
+  runs: int  # executions per program run (enclosing loop trip counts)
+  op_name: str  # the JAX op path from metadata (tells forward from transpose)
+
+  @property
+  def wire_bytes(self) -> int:
+    return self.operand_bytes * len(self.pairs) * self.runs
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    total += n * _DTYPE_BYTES[dtype]
+  return total
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  comps, cur = {}, None
+  for line in hlo.splitlines():
+    m = _HEADER.match(line)
+    if m and not line.startswith(" "):
+      cur = m.group(1)
+      comps[cur] = []
+    elif cur is not None:
+      comps[cur].append(line)
+  return comps
+
+
+def collective_permutes(hlo: str) -> list[Permute]:
+  comps = _computations(hlo)
+  entry = next((m.group(1) for line in hlo.splitlines() if line.startswith("ENTRY")
+                for m in [_HEADER.match(line)] if m), None)
+  # How many times each computation runs per program run.
+  runs = {name: 0 for name in comps}
+  if entry is not None:
+    runs[entry] = 1
+  order = [entry] if entry else []
+  seen = set(order)
+  i = 0
+  while i < len(order):  # breadth-first over the call graph (HLO call graphs are acyclic)
+    caller = order[i]
+    i += 1
+    for line in comps.get(caller, []):
+      trip = _TRIP.search(line)
+      callees = [(k, v) for k, v in _CALLEES.findall(line)]
+      for b in _BRANCHES.findall(line):
+        callees += [("branch", x.strip().lstrip("%")) for x in b.split(",") if x.strip()]
+      for kind, callee in callees:
+        if callee not in comps:
+          continue
+        mult = int(trip.group(1)) if (kind == "body" and trip) else 1
+        runs[callee] = runs.get(callee, 0) + runs[caller] * mult
+        if callee not in seen:
+          seen.add(callee)
+          order.append(callee)
+  out = []
+  for comp, lines in comps.items():
+    for line in lines:
+      if " collective-permute(" not in line and " collective-permute-start(" not in line:
+        continue
+      lhs, _, rhs = line.partition(" = ")
+      pm = _PAIRS.search(line)
+      pairs = tuple(tuple(int(x) for x in p.split(",")) for p in
+                    re.findall(r"\{(\d+,\d+)\}", pm.group(1))) if pm else ()
+      shape_text = rhs.split(" collective-permute", 1)[0]
+      nbytes = _shape_bytes(shape_text)
+      if "collective-permute-start" in rhs:  # (operand, result, ...) tuple: count the operand
+        arrays = _ARRAY.findall(shape_text)
+        nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:max(len(arrays) // 2, 1)]))
+      opn = re.search(r'op_name="([^"]*)"', line)
+      out.append(Permute(lhs.strip().lstrip("%"), comp, pairs, nbytes, max(runs.get(comp, 1), 1),
+                         opn.group(1) if opn else ""))
+  return out
+
+
+def summarize(permutes: list[Permute]) -> dict:
+  """Wire bytes by direction: forward ops vs transposed (gradient) ops."""
+  fwd = sum(p.wire_bytes for p in permutes if "transpose(" not in p.op_name)
+  bwd = sum(p.wire_bytes for p in permutes if "transpose(" in p.op_name)
+  return {"forward_bytes": fwd, "gradient_bytes": bwd, "total_bytes": fwd + bwd,
+          "num_ops": len(permutes)}
