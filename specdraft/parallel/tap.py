@@ -177,8 +177,9 @@ class TapChannel:
       carry["sent"] = jnp.zeros((M, self.plan.max_per_stage) + tuple(tap_shape), dtype)
     if self.mode == "direct" and self.delay:
       carry["pending"] = jnp.zeros((self.plan.max_per_stage,) + tuple(tap_shape), dtype)
-    if self.mode == "hop":
-      carry["hop"] = jnp.zeros((N,) + tuple(tap_shape), dtype)
+    if self.mode == "hop":  # the travelling buffer holds every source stage's slots
+      n_src = sum(self.plan.count(s) for s in self.plan.sources)
+      carry["hop"] = jnp.zeros((max(n_src, 1),) + tuple(tap_shape), dtype)
     del P
     return carry
 
@@ -214,17 +215,19 @@ class TapChannel:
       # Stage s writes its slots into the travelling buffer, then it moves to s + 1 beside the
       # activations; the last stage reads it for the microbatch it works on next iteration.
       hop = carry["hop"]
+      src_slots = [i for s in plan.sources for i in plan.slots(s)]  # hop index -> tap slot
+      h = 0
       for src in plan.sources:
-        for j, slot in enumerate(plan.slots(src)):
-          hop = hop.at[slot].set(jnp.where(stage == src, buf[j], hop[slot]))
+        for j in range(plan.count(src)):
+          hop = hop.at[h].set(jnp.where(stage == src, buf[j], hop[h]))
+          h += 1
       arrived = jax.lax.ppermute(hop, self.axis_name, perm=[(s, s + 1) for s in range(P - 1)])
       m = it + 1 - last  # what the last stage works on at iteration it + 1
       ok = (stage == last) & (m >= 0) & (m < M)
       mc = jnp.clip(m, 0, M - 1)
       row = jax.lax.dynamic_index_in_dim(recv, mc, 0, keepdims=False)
-      src_slots = [i for s in plan.sources for i in plan.slots(s)]
-      for slot in src_slots:
-        row = row.at[slot].set(jnp.where(ok, arrived[slot], row[slot]))
+      for h, slot in enumerate(src_slots):
+        row = row.at[slot].set(jnp.where(ok, arrived[h], row[slot]))
       recv = jax.lax.dynamic_update_index_in_dim(recv, row, mc, 0)
       carry["hop"] = arrived
     carry["recv"] = recv
