@@ -231,13 +231,16 @@ def test_channel_on_or_off_leaves_outputs_and_policy_grads_bit_identical(cotrain
 def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   c, pcfg, dcfg, tr, batch = cotrain_setup
   mesh = mesh_for("pp4_dp2")
-  tx = step_lib.make_cotrain_optimizer(c.rl, c.draft)
+  rl_cfg = c.rl.copy_and_resolve_references()
+  rl_cfg.beta = 0.05  # with a KL to a reference policy, which runs through the pipeline too
+  ref = jax.tree.map(lambda x: x * 1.01, tr["policy"])
+  tx = step_lib.make_cotrain_optimizer(rl_cfg, c.draft)
   state = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
   spec = pipelined.PipelineSpec(microbatches=4, tap_mode="direct", tap_delay=True, remat=True)
   outs = {}
   for name, kw in (("single", {}), ("pp4_dp2", dict(mesh=mesh, pipeline=spec))):
     f = jax.jit(lambda s, b, kw=kw: step_lib.cotrain_step(
-      s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=1.0, **kw))
+      s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, tx=tx, lam=1.0, ref_params=ref, **kw))
     sh_batch = batch if name == "single" else mesh_lib.shard_batch(
       batch, mesh, [tuple(r) for r in layouts.DEFAULT_RULES])
     outs[name] = f(state, sh_batch)
@@ -245,6 +248,7 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   for k in m1:
     np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, atol=1e-6, err_msg=k)
   assert float(m1["draft_loss"]) > 0 and float(m1["draft_grad_norm"]) > 0
+  assert float(m1["kl"]) > 0  # the reference term is live
   for a, b in zip(jax.tree.leaves(s2["params"]), jax.tree.leaves(s1["params"])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # one AdamW update (lr 2e-4)
 

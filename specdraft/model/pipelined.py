@@ -92,7 +92,9 @@ def _stage_fn(pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str,
 def _run(theta, tokens_M, pos_M, seg_M, *, pcfg, spec: PipelineSpec, plan: TapPlan | None,
          stages: int, stop_tap_gradient: bool, return_sent: bool = False):
   """Inside the shard_map: embedding, the pipelined layer stack, the tap channel."""
-  emb = pol.embed(theta, tokens_M, pcfg)  # [M,b,S,E]; used by the first stage
+  # The embedding runs on the first stage only (its gradient is scattered there only).
+  emb = pipe.on_stage(0, lambda table, tok: pol.embed({"embed": table}, tok, pcfg),
+                      theta["embed"], tokens_M, axis_name=spec.axis_name)  # [M,b,S,E]
   channel = None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay,
                                                  spec.axis_name)
   fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient)
@@ -174,7 +176,7 @@ def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, m
       ref_outs, _, _ = _run(jax.lax.stop_gradient(ref_theta), tokens_M, pos_M, seg_M, pcfg=pcfg,
                             spec=spec, plan=None, stages=stages, stop_tap_gradient=True)
 
-    def last_stage(theta, extra, batch, outs, recv, ref_outs):
+    def last_stage(theta, extra, batch, outs, recv, ref_outs, ref_theta):
       h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
       taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
       ref_logits = None
@@ -184,15 +186,8 @@ def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, m
         ref_logits = jax.lax.stop_gradient(ref_logits)
       return objective(theta, extra, logits, taps, batch, ref_logits)
 
-    # Everything enters the cond already varying over 'pp': an invariant value turned varying
-    # inside a branch would put the transpose's psum inside the last stage's branch only (the
-    # other stages would never join it). Cast outside, the psum runs on every stage.
-    args = pipe.varying((theta, extra, batch, outs, recv, ref_outs), ax)
-    shapes = jax.eval_shape(last_stage, *args)
-    others = lambda *_: pipe.varying(
-      jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), ax)
-    is_last = jax.lax.axis_index(ax) == stages - 1
-    out = jax.lax.cond(is_last, lambda *a: pipe.varying(last_stage(*a), ax), others, *args)
+    out = pipe.on_stage(stages - 1, last_stage, theta, extra, batch, outs, recv, ref_outs,
+                        ref_theta, axis_name=ax)
     return jax.lax.psum(out, ax)
 
   specs = param_specs(theta)

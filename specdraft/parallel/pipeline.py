@@ -34,6 +34,21 @@ def varying(tree, axis_name: str):
     tree)
 
 
+def on_stage(stage: int, fn, *args, axis_name: str = "pp"):
+  """`fn(*args)` evaluated only on pipeline stage `stage` (`lax.cond`); other stages get zeros
+  of the same shapes. Results are varying over `axis_name`.
+
+  Every argument is cast to varying BEFORE the cond: an invariant value turned varying inside a
+  branch would put the transpose's psum inside that branch, which the other stages never run.
+  """
+  args = varying(args, axis_name)
+  shapes = jax.eval_shape(fn, *args)
+  others = lambda *_: varying(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                              axis_name)
+  return jax.lax.cond(jax.lax.axis_index(axis_name) == stage,
+                      lambda *a: varying(fn(*a), axis_name), others, *args)
+
+
 def split_microbatches(x, num_microbatches: int):
   """[B, ...] -> [M, B/M, ...] with row r in microbatch r % M.
 
@@ -79,7 +94,7 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
     raise ValueError("a TapChannel needs a stage function that returns a tap buffer")
   ch0 = None
   if channel is not None:
-    ch0 = varying(channel.init(M, buf_aval.shape[1:], buf_aval.dtype), axis_name)
+    ch0 = varying(channel.init(buf_aval.shape[1:], buf_aval.dtype), axis_name)
 
   def body(carry, it):
     x_prev, ch = carry
@@ -88,18 +103,21 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
     x_in = jnp.where(stage == 0, x_first, x_prev)
     side_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, False), side)
     y, buf = fn(stage_params, x_in, side_m)
+    arrived = None
     if channel is not None:
-      ch = channel.step(ch, buf, it=it, stage=stage)
+      ch, arrived = channel.step(ch, buf, stage=stage)
     x_next = jax.lax.ppermute(y, axis_name, perm=shift) if P > 1 else y
-    return (x_next, ch), (y, buf if return_sent else None)
+    return (x_next, ch), (y, arrived, buf if (return_sent and channel is None) else None)
 
-  init = (x0, ch0)
-  (_, ch), (ys, bufs) = jax.lax.scan(body, init, jnp.arange(n_iter, dtype=jnp.int32))
+  (_, ch), (ys, arrivals, bufs) = jax.lax.scan(body, (x0, ch0),
+                                               jnp.arange(n_iter, dtype=jnp.int32))
   outputs = ys[P - 1:]  # the last stage works on microbatch m at iteration m + P - 1
-  recv = None if channel is None else channel.finish(ch, num_iterations=n_iter, stage=stage)
-  sent = None
+  recv, sent = None, None
+  if channel is not None:
+    recv = channel.finish(ch, arrivals, num_microbatches=M, stage=stage)
+    bufs = arrivals["own"]
   if return_sent and bufs is not None:
-    sent = jax.lax.dynamic_slice_in_dim(bufs, stage, M, 0)
+    sent = jax.lax.dynamic_slice_in_dim(bufs, stage, M, 0)  # stage s: iterations s..s+M-1
   return outputs, recv, sent
 
 

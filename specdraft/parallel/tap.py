@@ -128,9 +128,14 @@ def stage_buffer(plan: TapPlan, union_taps, stage):
 class TapChannel:
   """Moves per-stage tap buffers to the last stage during / after a pipeline loop.
 
-  Used by `pipeline.gpipe` through three hooks: `init` (the channel's scan carry),
-  `step` (once per loop iteration, after the stage computed) and `finish` (after the loop,
-  returns the receiver buffer `[M, N, ...]` in `plan.tap_layers` order).
+  Used by `pipeline.gpipe` through three hooks: `init` (the channel's scan carry), `step` (once
+  per loop iteration, after the stage computed; returns what arrived this iteration as a scan
+  output) and `finish` (after the loop: assembles the receiver buffer `[M, N, ...]`, indexed by
+  microbatch, in `plan.tap_layers` order).
+
+  What arrives from source `s` at iteration `i` belongs to microbatch `i - s` (`i - 1 - s` with
+  `delay`), so the receiver buffer is a STATIC slice of the per-iteration arrivals: bubble
+  iterations are dropped without any per-iteration masking or dynamic writes in the loop.
   """
 
   plan: TapPlan
@@ -146,111 +151,84 @@ class TapChannel:
       raise ValueError(f"parallel.pipeline.tap_delay=True only applies to tap_mode='direct' "
                        f"(got tap_mode={self.mode!r})")
 
-  # -- helpers ---------------------------------------------------------------------------------
-
-  def _n(self):
-    return len(self.plan.tap_layers)
-
   def _send(self, x, src):
     """One single-pair ppermute src -> last stage; every other device receives zeros."""
     return jax.lax.ppermute(x, self.axis_name, perm=[(src, self.plan.last)])
 
-  def _write(self, recv, got, m, valid, src):
-    """recv[m, slot] = got[j] for source `src`'s slots where `valid` (else unchanged)."""
-    M = recv.shape[0]
-    mc = jnp.clip(m, 0, M - 1)
-    zeros = (0,) * (recv.ndim - 2)
-    for j, slot in enumerate(self.plan.slots(src)):
-      start = (mc, jnp.int32(slot)) + zeros
-      old = jax.lax.dynamic_slice(recv, start, (1, 1) + recv.shape[2:])
-      new = jnp.where(valid, got[j][None, None].astype(recv.dtype), old)
-      recv = jax.lax.dynamic_update_slice(recv, new, start)
-    return recv
+  @property
+  def _src_slots(self) -> list[int]:
+    """Tap slots of every source stage, in source order (the hop buffer's layout)."""
+    return [i for s in self.plan.sources for i in self.plan.slots(s)]
 
   # -- hooks used by the pipeline --------------------------------------------------------------
 
-  def init(self, num_microbatches: int, tap_shape, dtype):
-    """The channel's scan carry for one loop: the receiver buffer and mode-specific state."""
-    M, N, P = num_microbatches, self._n(), self.plan.num_stages
-    carry = {"recv": jnp.zeros((M, N) + tuple(tap_shape), dtype)}
-    if self.mode == "bulk":
-      carry["sent"] = jnp.zeros((M, self.plan.max_per_stage) + tuple(tap_shape), dtype)
+  def init(self, tap_shape, dtype):
+    """The channel's scan carry (mode-specific state; may be empty)."""
+    shape = tuple(tap_shape)
+    carry = {}
     if self.mode == "direct" and self.delay:
-      carry["pending"] = jnp.zeros((self.plan.max_per_stage,) + tuple(tap_shape), dtype)
+      carry["pending"] = jnp.zeros((self.plan.max_per_stage,) + shape, dtype)
     if self.mode == "hop":  # the travelling buffer holds every source stage's slots
-      n_src = sum(self.plan.count(s) for s in self.plan.sources)
-      carry["hop"] = jnp.zeros((max(n_src, 1),) + tuple(tap_shape), dtype)
-    del P
+      carry["hop"] = jnp.zeros((max(len(self._src_slots), 1),) + shape, dtype)
     return carry
 
-  def step(self, carry, buf, *, it, stage):
-    """After iteration `it`: `buf [max_per_stage, ...]` holds this stage's taps for microbatch
-    `it - stage` (garbage in bubble iterations, which are masked on the receiving side)."""
+  def step(self, carry, buf, *, stage):
+    """After an iteration: `buf [max_per_stage, ...]` holds this stage's taps for the microbatch
+    it worked on. Returns (carry, arrivals) where arrivals are this iteration's scan outputs."""
     plan, P = self.plan, self.plan.num_stages
-    M = carry["recv"].shape[0]
-    last = plan.last
-    recv = carry["recv"]
-    # The last stage's own taps never travel.
-    m_last = it - last
-    if plan.count(last):
-      recv = self._write(recv, buf, m_last, (stage == last) & (m_last >= 0) & (m_last < M), last)
     carry = dict(carry)
-    if self.mode == "off":
-      pass
-    elif self.mode == "direct":
-      out, lag = (carry["pending"], 1) if self.delay else (buf, 0)
+    out = {"own": buf}  # each stage's own buffer (the last stage's own taps never travel)
+    if self.mode == "direct":
+      send = carry["pending"] if self.delay else buf
       for s in plan.sources:
-        got = self._send(out[:plan.count(s)], s)
-        m = it - lag - s
-        recv = self._write(recv, got, m, (stage == last) & (m >= 0) & (m < M), s)
+        out[f"from{s}"] = self._send(send[:plan.count(s)], s)
       if self.delay:
         carry["pending"] = buf
-    elif self.mode == "bulk":
-      m = it - stage
-      mc = jnp.clip(m, 0, M - 1)
-      old = jax.lax.dynamic_index_in_dim(carry["sent"], mc, 0, keepdims=False)
-      new = jnp.where((m >= 0) & (m < M), buf, old)
-      carry["sent"] = jax.lax.dynamic_update_index_in_dim(carry["sent"], new, mc, 0)
     elif self.mode == "hop":
-      # Stage s writes its slots into the travelling buffer, then it moves to s + 1 beside the
-      # activations; the last stage reads it for the microbatch it works on next iteration.
-      hop = carry["hop"]
-      src_slots = [i for s in plan.sources for i in plan.slots(s)]  # hop index -> tap slot
-      h = 0
+      # Source stages write their slots into the travelling buffer, which then moves to s + 1
+      # beside the activations (the microbatch matches: stage s + 1 works next iteration on
+      # what stage s worked on now).
+      hop, h = carry["hop"], 0
       for src in plan.sources:
         for j in range(plan.count(src)):
           hop = hop.at[h].set(jnp.where(stage == src, buf[j], hop[h]))
           h += 1
-      arrived = jax.lax.ppermute(hop, self.axis_name, perm=[(s, s + 1) for s in range(P - 1)])
-      m = it + 1 - last  # what the last stage works on at iteration it + 1
-      ok = (stage == last) & (m >= 0) & (m < M)
-      mc = jnp.clip(m, 0, M - 1)
-      row = jax.lax.dynamic_index_in_dim(recv, mc, 0, keepdims=False)
-      for h, slot in enumerate(src_slots):
-        row = row.at[slot].set(jnp.where(ok, arrived[h], row[slot]))
-      recv = jax.lax.dynamic_update_index_in_dim(recv, row, mc, 0)
-      carry["hop"] = arrived
-    carry["recv"] = recv
-    return carry
+      carry["hop"] = jax.lax.ppermute(hop, self.axis_name,
+                                      perm=[(s, s + 1) for s in range(P - 1)])
+      out["hop"] = carry["hop"]
+    return carry, out
 
-  def finish(self, carry, *, num_iterations: int, stage):
-    """After the loop: flushes delayed / bulk sends; returns the receiver buffer [M, N, ...]."""
-    plan = self.plan
-    recv = carry["recv"]
-    M = recv.shape[0]
-    last = plan.last
-    if self.mode == "direct" and self.delay:
-      it = num_iterations  # the pending buffer is from iteration num_iterations - 1
+  def finish(self, carry, arrivals, *, num_microbatches: int, stage):
+    """After the loop (`arrivals`: step outputs stacked over iterations): flushes delayed and bulk
+    sends; returns the receiver buffer [M, N, ...] (meaningful on the last stage)."""
+    plan, M, last = self.plan, num_microbatches, self.plan.last
+    own = arrivals["own"]  # [n_iter, max_per_stage, ...]
+    N = len(plan.tap_layers)
+    rows: list = [None] * N
+    # the last stage works on microbatch m at iteration m + last
+    for j, slot in enumerate(plan.slots(last)):
+      rows[slot] = own[last:last + M, j]
+    if self.mode == "direct":
       for s in plan.sources:
-        got = self._send(carry["pending"][:plan.count(s)], s)
-        m = it - 1 - s
-        recv = self._write(recv, got, m, (stage == last) & (m >= 0) & (m < M), s)
-    if self.mode == "bulk":
+        got = arrivals[f"from{s}"]  # [n_iter, count(s), ...]
+        if self.delay:  # arrivals lag one iteration; the last one is flushed here
+          flush = self._send(carry["pending"][:plan.count(s)], s)
+          got = jnp.concatenate([got[1:], flush[None]], axis=0)
+        for j, slot in enumerate(plan.slots(s)):
+          rows[slot] = got[s:s + M, j]
+    elif self.mode == "hop":
+      # what arrives at the last stage at iteration i is for microbatch i + 1 - last
+      got = arrivals["hop"]
+      for h, slot in enumerate(self._src_slots):
+        rows[slot] = got[last - 1:last - 1 + M, h]
+    elif self.mode == "bulk":
+      mine = jax.lax.dynamic_slice_in_dim(own, stage, M, 0)  # my microbatches, in order
       for s in plan.sources:
-        got = self._send(carry["sent"][:, :plan.count(s)], s)  # [M, count(s), ...], once
-        slots = jnp.asarray(plan.slots(s))
-        recv = jnp.where(stage == last, recv.at[:, slots].set(got), recv)
-    return recv
+        got = self._send(mine[:, :plan.count(s)], s)  # [M, count(s), ...], once
+        for j, slot in enumerate(plan.slots(s)):
+          rows[slot] = got[:, j]
+    zeros = jnp.zeros_like(own[:M, 0])
+    return jnp.stack([zeros if r is None else r for r in rows], axis=1)  # "off": zeros
 
   def tapped_bytes(self, tap_shape, dtype, num_microbatches: int) -> int:
     """Bytes that must travel: every source stage's taps, for every microbatch, once."""
