@@ -123,6 +123,7 @@ def _read(path):
     return [json.loads(ln) for ln in f]
 
 
+@pytest.mark.slow  # ~2 min; `make test-slow` (and CI) run it
 def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
   c = smoke_config
   full = str(tmp_path / "full")
