@@ -77,8 +77,8 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
   stage_fn(stage_params, x, side_m) -> (y, tap_buffer or None), y shaped like x.
 
   Returns (outputs [M, ...], received taps [M, N, ...] or None, sent): outputs and received
-  taps are meaningful on the last stage only. With `return_sent`, `sent` is this stage's own
-  tap buffer for every microbatch [M, ...] (for tests and benchmarks), else None.
+  taps are meaningful on the last stage only. With `return_sent` (and a channel), `sent` is this
+  stage's own tap buffer for every microbatch [M, ...] (for tests and benchmarks), else None.
   """
   P = num_stages
   M = first_inputs.shape[0]
@@ -94,7 +94,7 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
     raise ValueError("a TapChannel needs a stage function that returns a tap buffer")
   ch0 = None
   if channel is not None:
-    ch0 = varying(channel.init(buf_aval.shape[1:], buf_aval.dtype), axis_name)
+    ch0 = varying(channel.init(M, buf_aval.shape[1:], buf_aval.dtype), axis_name)
 
   def body(carry, it):
     x_prev, ch = carry
@@ -103,21 +103,18 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
     x_in = jnp.where(stage == 0, x_first, x_prev)
     side_m = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, False), side)
     y, buf = fn(stage_params, x_in, side_m)
-    arrived = None
     if channel is not None:
-      ch, arrived = channel.step(ch, buf, stage=stage)
+      ch = channel.step(ch, buf, it=it, stage=stage)
     x_next = jax.lax.ppermute(y, axis_name, perm=shift) if P > 1 else y
-    return (x_next, ch), (y, arrived, buf if (return_sent and channel is None) else None)
+    return (x_next, ch), y
 
-  (_, ch), (ys, arrivals, bufs) = jax.lax.scan(body, (x0, ch0),
-                                               jnp.arange(n_iter, dtype=jnp.int32))
+  (_, ch), ys = jax.lax.scan(body, (x0, ch0), jnp.arange(n_iter, dtype=jnp.int32))
   outputs = ys[P - 1:]  # the last stage works on microbatch m at iteration m + P - 1
   recv, sent = None, None
   if channel is not None:
-    recv = channel.finish(ch, arrivals, num_microbatches=M, stage=stage)
-    bufs = arrivals["own"]
-  if return_sent and bufs is not None:
-    sent = jax.lax.dynamic_slice_in_dim(bufs, stage, M, 0)  # stage s: iterations s..s+M-1
+    recv = channel.finish(ch, num_iterations=n_iter, stage=stage)
+    if return_sent:
+      sent = ch["own"][:M]  # this stage's own buffer for every microbatch
   return outputs, recv, sent
 
 

@@ -128,14 +128,14 @@ def stage_buffer(plan: TapPlan, union_taps, stage):
 class TapChannel:
   """Moves per-stage tap buffers to the last stage during / after a pipeline loop.
 
-  Used by `pipeline.gpipe` through three hooks: `init` (the channel's scan carry), `step` (once
-  per loop iteration, after the stage computed; returns what arrived this iteration as a scan
-  output) and `finish` (after the loop: assembles the receiver buffer `[M, N, ...]`, indexed by
-  microbatch, in `plan.tap_layers` order).
+  Used by `pipeline.gpipe` through three hooks: `init` (the channel's scan carry, separate from
+  the activation carry), `step` (once per loop iteration, after the stage computed) and `finish`
+  (after the loop: the receiver buffer `[M, N, ...]`, indexed by microbatch, in
+  `plan.tap_layers` order).
 
-  What arrives from source `s` at iteration `i` belongs to microbatch `i - s` (`i - 1 - s` with
-  `delay`), so the receiver buffer is a STATIC slice of the per-iteration arrivals: bubble
-  iterations are dropped without any per-iteration masking or dynamic writes in the loop.
+  Buffers indexed by microbatch have one extra row, `M`, where bubble iterations write: the
+  microbatch index of an iteration is `m` when valid and `M` otherwise, so bubble results are
+  dropped without reading or selecting the old contents (one dynamic-update-slice per write).
   """
 
   plan: TapPlan
@@ -160,75 +160,91 @@ class TapChannel:
     """Tap slots of every source stage, in source order (the hop buffer's layout)."""
     return [i for s in self.plan.sources for i in self.plan.slots(s)]
 
+  @staticmethod
+  def _row(m, M):
+    """Row of a microbatch-indexed buffer: m when 0 <= m < M, else the bubble row M."""
+    return jnp.where((m >= 0) & (m < M), m, M).astype(jnp.int32)
+
+  @staticmethod
+  def _put(buf, row, slot, value):
+    """buf[row, slot] = value (a dynamic-update-slice; `slot` static)."""
+    start = (row, jnp.int32(slot)) + (jnp.int32(0),) * (buf.ndim - 2)
+    return jax.lax.dynamic_update_slice(buf, value[None, None].astype(buf.dtype), start)
+
   # -- hooks used by the pipeline --------------------------------------------------------------
 
-  def init(self, tap_shape, dtype):
-    """The channel's scan carry (mode-specific state; may be empty)."""
-    shape = tuple(tap_shape)
-    carry = {}
+  def init(self, num_microbatches: int, tap_shape, dtype):
+    """The channel's scan carry: every stage's own taps by microbatch, the receiver buffer and
+    mode-specific state. Microbatch-indexed buffers have M + 1 rows (row M: bubble writes)."""
+    M, N, shape = num_microbatches, len(self.plan.tap_layers), tuple(tap_shape)
+    carry = {"own": jnp.zeros((M + 1, self.plan.max_per_stage) + shape, dtype)}
+    if self.mode in ("direct", "hop"):
+      carry["recv"] = jnp.zeros((M + 1, N) + shape, dtype)
     if self.mode == "direct" and self.delay:
       carry["pending"] = jnp.zeros((self.plan.max_per_stage,) + shape, dtype)
     if self.mode == "hop":  # the travelling buffer holds every source stage's slots
       carry["hop"] = jnp.zeros((max(len(self._src_slots), 1),) + shape, dtype)
     return carry
 
-  def step(self, carry, buf, *, stage):
-    """After an iteration: `buf [max_per_stage, ...]` holds this stage's taps for the microbatch
-    it worked on. Returns (carry, arrivals) where arrivals are this iteration's scan outputs."""
+  def step(self, carry, buf, *, it, stage):
+    """After iteration `it`: `buf [max_per_stage, ...]` holds this stage's taps for microbatch
+    `it - stage`."""
     plan, P = self.plan, self.plan.num_stages
+    M = carry["own"].shape[0] - 1
     carry = dict(carry)
-    out = {"own": buf}  # each stage's own buffer (the last stage's own taps never travel)
+    carry["own"] = jax.lax.dynamic_update_index_in_dim(
+      carry["own"], buf.astype(carry["own"].dtype), self._row(it - stage, M), 0)
     if self.mode == "direct":
-      send = carry["pending"] if self.delay else buf
+      send, lag = (carry["pending"], 1) if self.delay else (buf, 0)
+      recv = carry["recv"]
       for s in plan.sources:
-        out[f"from{s}"] = self._send(send[:plan.count(s)], s)
+        got = self._send(send[:plan.count(s)], s)  # microbatch it - lag - s
+        row = self._row(it - lag - s, M)
+        for j, slot in enumerate(plan.slots(s)):
+          recv = self._put(recv, row, slot, got[j])
+      carry["recv"] = recv
       if self.delay:
         carry["pending"] = buf
     elif self.mode == "hop":
       # Source stages write their slots into the travelling buffer, which then moves to s + 1
-      # beside the activations (the microbatch matches: stage s + 1 works next iteration on
-      # what stage s worked on now).
+      # beside the activations (stage s + 1 works next iteration on the microbatch stage s
+      # worked on now); what reaches the last stage is for its next microbatch.
       hop, h = carry["hop"], 0
       for src in plan.sources:
         for j in range(plan.count(src)):
           hop = hop.at[h].set(jnp.where(stage == src, buf[j], hop[h]))
           h += 1
-      carry["hop"] = jax.lax.ppermute(hop, self.axis_name,
-                                      perm=[(s, s + 1) for s in range(P - 1)])
-      out["hop"] = carry["hop"]
-    return carry, out
-
-  def finish(self, carry, arrivals, *, num_microbatches: int, stage):
-    """After the loop (`arrivals`: step outputs stacked over iterations): flushes delayed and bulk
-    sends; returns the receiver buffer [M, N, ...] (meaningful on the last stage)."""
-    plan, M, last = self.plan, num_microbatches, self.plan.last
-    own = arrivals["own"]  # [n_iter, max_per_stage, ...]
-    N = len(plan.tap_layers)
-    rows: list = [None] * N
-    # the last stage works on microbatch m at iteration m + last
-    for j, slot in enumerate(plan.slots(last)):
-      rows[slot] = own[last:last + M, j]
-    if self.mode == "direct":
-      for s in plan.sources:
-        got = arrivals[f"from{s}"]  # [n_iter, count(s), ...]
-        if self.delay:  # arrivals lag one iteration; the last one is flushed here
-          flush = self._send(carry["pending"][:plan.count(s)], s)
-          got = jnp.concatenate([got[1:], flush[None]], axis=0)
-        for j, slot in enumerate(plan.slots(s)):
-          rows[slot] = got[s:s + M, j]
-    elif self.mode == "hop":
-      # what arrives at the last stage at iteration i is for microbatch i + 1 - last
-      got = arrivals["hop"]
+      hop = jax.lax.ppermute(hop, self.axis_name, perm=[(s, s + 1) for s in range(P - 1)])
+      row = self._row(it + 1 - plan.last, M)
+      recv = carry["recv"]
       for h, slot in enumerate(self._src_slots):
-        rows[slot] = got[last - 1:last - 1 + M, h]
-    elif self.mode == "bulk":
-      mine = jax.lax.dynamic_slice_in_dim(own, stage, M, 0)  # my microbatches, in order
+        recv = self._put(recv, row, slot, hop[h])
+      carry["recv"], carry["hop"] = recv, hop
+    return carry
+
+  def finish(self, carry, *, num_iterations: int, stage):
+    """After the loop: flushes delayed and bulk sends; returns the receiver buffer [M, N, ...]
+    (meaningful on the last stage; 'off' leaves remote slots zero)."""
+    plan, last = self.plan, self.plan.last
+    own = carry["own"]
+    M = own.shape[0] - 1
+    N = len(plan.tap_layers)
+    recv = carry.get("recv", jnp.zeros((M + 1, N) + own.shape[2:], own.dtype))
+    if self.mode == "direct" and self.delay:  # the last iteration's buffer is still pending
       for s in plan.sources:
-        got = self._send(mine[:, :plan.count(s)], s)  # [M, count(s), ...], once
+        got = self._send(carry["pending"][:plan.count(s)], s)
+        row = self._row(num_iterations - 1 - s, M)
         for j, slot in enumerate(plan.slots(s)):
-          rows[slot] = got[:, j]
-    zeros = jnp.zeros_like(own[:M, 0])
-    return jnp.stack([zeros if r is None else r for r in rows], axis=1)  # "off": zeros
+          recv = self._put(recv, row, slot, got[j])
+    recv = recv[:M]
+    if self.mode == "bulk":
+      for s in plan.sources:
+        got = self._send(own[:M, :plan.count(s)], s)  # [M, count(s), ...], once
+        recv = recv.at[:, jnp.asarray(plan.slots(s))].set(got)
+    # the last stage's own taps never travel
+    recv = recv.at[:, jnp.asarray(plan.slots(last), jnp.int32)].set(
+      own[:M, :plan.count(last)]) if plan.count(last) else recv
+    return recv
 
   def tapped_bytes(self, tap_shape, dtype, num_microbatches: int) -> int:
     """Bytes that must travel: every source stage's taps, for every microbatch, once."""
