@@ -68,10 +68,10 @@ def check(pcfg: pol.PolicyConfig, spec: PipelineSpec, num_stages: int, batch_row
   return plan
 
 
-def param_specs(theta) -> Any:
-  """In-specs of the policy parameters over 'pp': stacked layers split by stage, the rest
-  (embedding, final norm, head) on every stage (their gradients are summed over 'pp')."""
-  return {k: (jax.tree.map(lambda _: P("pp"), v) if k == "layers" else
+def param_specs(theta, axis_name: str = "pp") -> Any:
+  """In-specs of the policy parameters over the pipeline axis: stacked layers split by stage,
+  the rest (embedding, final norm, head) on every stage (their gradients are summed)."""
+  return {k: (jax.tree.map(lambda _: P(axis_name), v) if k == "layers" else
               jax.tree.map(lambda _: P(), v)) for k, v in theta.items()}
 
 
@@ -137,7 +137,7 @@ def forward(theta, pcfg: pol.PolicyConfig, tokens_BS, positions_BS=None, segment
     h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
     return logits[None], _taps_from(recv)[None], h[None], sent[None]
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs(theta), P(), P(), P()),
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs(theta, spec.axis_name), P(), P(), P()),
                      out_specs=P(spec.axis_name), axis_names={spec.axis_name})
   logits, layers, h, sent = fn(theta, split(tokens_BS), split(positions_BS),
                                split(segment_ids_BS))
@@ -190,8 +190,8 @@ def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, m
                         ref_theta, axis_name=ax)
     return jax.lax.psum(out, ax)
 
-  specs = param_specs(theta)
-  ref_specs = None if ref_theta is None else param_specs(ref_theta)
+  specs = param_specs(theta, ax)
+  ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), ref_specs, P(), P(), P()),
                      out_specs=P(), axis_names={ax})
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))
