@@ -14,11 +14,31 @@ from specdraft.config import parse_arg
 def get_config(arg: str | None = None):
   arg = parse_arg(arg, smoke=False)
   c = ml_collections.ConfigDict()
-  c.bench_cp = dict(batch=1, heads=32, kv_heads=8, head_dim=128, ttt_width=7, block_width=16,
-                    tokens_per_rank=32768, cps=(1, 2, 4, 8), impls=("ring", "allgather", "dense"),
-                    dense_max_tokens=32768, tile=512, work_tokens=262144)
+  c.bench_cp = dict(
+    batch=1,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    ttt_width=7,
+    block_width=16,
+    tokens_per_rank=32768,
+    cps=(1, 2, 4, 8),
+    impls=("ring", "allgather", "dense"),
+    dense_max_tokens=32768,
+    tile=512,
+    work_tokens=262144,
+  )
   if arg.smoke:
-    c.bench_cp.update(heads=4, kv_heads=2, head_dim=16, tokens_per_rank=64, cps=(1, 2),
-                      dense_max_tokens=128, tile=16, work_tokens=1024, ttt_width=3,
-                      block_width=4)
+    c.bench_cp.update(
+      heads=4,
+      kv_heads=2,
+      head_dim=16,
+      tokens_per_rank=64,
+      cps=(1, 2),
+      dense_max_tokens=128,
+      tile=16,
+      work_tokens=1024,
+      ttt_width=3,
+      block_width=4,
+    )
   return c

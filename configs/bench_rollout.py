@@ -21,8 +21,9 @@ def get_config(arg: str | None = None):
     c.sft.steps, c.sft.lr = 800, 2e-3
     c.eval.every = c.checkpoint.every = 400
     c.draft.pretrain_steps = 300
-  c.bench = dict(batch_sizes=(1, 8, 32, 128), num_draft=5, temperature=1.0, repeats=3,
-                 max_new_tokens=40)
+  c.bench = dict(
+    batch_sizes=(1, 8, 32, 128), num_draft=5, temperature=1.0, repeats=3, max_new_tokens=40
+  )
   if arg.smoke:
     c.bench.batch_sizes, c.bench.repeats, c.bench.max_new_tokens = (1, 4), 2, 16
   return c

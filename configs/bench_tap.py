@@ -23,14 +23,25 @@ def get_config(arg: str | None = None):
   c.model.update(d_model=64, n_layers=16, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192)
   c.draft.ttt_steps = 3
   case = lambda pp, m, s, taps=DEFAULT_TAPS, batch=16: dict(
-    pp=pp, microbatches=m, seq_len=s, taps=taps, batch=batch)
+    pp=pp, microbatches=m, seq_len=s, taps=taps, batch=batch
+  )
   c.bench_tap = dict(
     repeats=arg.repeats,
     check_case=case(4, 4, 64),
-    cases=[case(2, 2, 128), case(2, 4, 128), case(4, 4, 128), case(4, 8, 128),
-           case(8, 8, 128), case(4, 4, 64), case(4, 4, 256), case(4, 4, 128, SIX_TAPS)])
+    cases=[
+      case(2, 2, 128),
+      case(2, 4, 128),
+      case(4, 4, 128),
+      case(4, 8, 128),
+      case(8, 8, 128),
+      case(4, 4, 64),
+      case(4, 4, 256),
+      case(4, 4, 128, SIX_TAPS),
+    ],
+  )
   if arg.smoke:
     c.model.update(d_model=32, n_layers=8, head_dim=8, d_ff=64)
-    c.bench_tap.update(repeats=2, check_case=case(2, 2, 16, (1, 3, 4), 4),
-                       cases=[case(4, 4, 16, (1, 3, 4), 8)])
+    c.bench_tap.update(
+      repeats=2, check_case=case(2, 2, 16, (1, 3, 4), 4), cases=[case(4, 4, 16, (1, 3, 4), 8)]
+    )
   return c

@@ -29,45 +29,101 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = arg.seed
 
   E, L, H, K, D, F = SIZES["micro" if arg.smoke else arg.size]
-  c.model = ml_collections.ConfigDict(dict(
-    d_model=E, n_layers=L, n_heads=H, n_kv_heads=K, head_dim=D, d_ff=F, rope_theta=10000.0,
-    norm_eps=1e-6, tie_embeddings=True, init_std=0.02, dtype="float32"))
+  c.model = ml_collections.ConfigDict(
+    dict(
+      d_model=E,
+      n_layers=L,
+      n_heads=H,
+      n_kv_heads=K,
+      head_dim=D,
+      d_ff=F,
+      rope_theta=10000.0,
+      norm_eps=1e-6,
+      tie_embeddings=True,
+      init_std=0.02,
+      dtype="float32",
+    )
+  )
   c.model.tap_layers = ml_collections.FieldReference(None, field_type=tuple)
 
-  c.task = ml_collections.ConfigDict(dict(
-    name=arg.task, seed=1234, num_train=20000, num_test=256,
-    arithmetic=dict(min_digits=1, max_digits=3, num_operands=2, formats="columns",
-                    reward_format=""),
-    countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
-    jsonl=dict(path="")))
+  c.task = ml_collections.ConfigDict(
+    dict(
+      name=arg.task,
+      seed=1234,
+      num_train=20000,
+      num_test=256,
+      arithmetic=dict(
+        min_digits=1, max_digits=3, num_operands=2, formats="columns", reward_format=""
+      ),
+      countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
+      jsonl=dict(path=""),
+    )
+  )
 
-  c.data = ml_collections.ConfigDict(dict(
-    data_dir="runs/tfds", batch_size=32, seq_len=64, packing=True, shuffle_seed=0))
+  c.data = ml_collections.ConfigDict(
+    dict(data_dir="runs/tfds", batch_size=32, seq_len=64, packing=True, shuffle_seed=0)
+  )
 
-  c.sft = ml_collections.ConfigDict(dict(
-    steps=1200, lr=3e-3, warmup_steps=50, weight_decay=0.01, grad_clip=1.0, b2=0.98,
-    log_every=20))
+  c.sft = ml_collections.ConfigDict(
+    dict(
+      steps=1200, lr=3e-3, warmup_steps=50, weight_decay=0.01, grad_clip=1.0, b2=0.98, log_every=20
+    )
+  )
 
   # EAGLE-3 draft; 0 for a dimension means "the policy's".
-  c.draft = ml_collections.ConfigDict(dict(
-    kind="eagle3", n_heads=0, n_kv_heads=0, head_dim=0, d_ff=0, ttt_steps=7, ttt_decay=0.8,
-    pretrain_steps=300, batch_size=32, rollout_temperature=1.0, lr=3e-3, warmup_steps=20,
-    weight_decay=0.0, grad_clip=1.0, b2=0.98, log_every=20, cotrain_lr=1e-3,
-    attn_impl="dense"))  # dense | ring | allgather (context parallel over parallel.mesh.cp)
+  c.draft = ml_collections.ConfigDict(
+    dict(
+      kind="eagle3",
+      n_heads=0,
+      n_kv_heads=0,
+      head_dim=0,
+      d_ff=0,
+      ttt_steps=7,
+      ttt_decay=0.8,
+      pretrain_steps=300,
+      batch_size=32,
+      rollout_temperature=1.0,
+      lr=3e-3,
+      warmup_steps=20,
+      weight_decay=0.0,
+      grad_clip=1.0,
+      b2=0.98,
+      log_every=20,
+      cotrain_lr=1e-3,
+      attn_impl="dense",
+    )
+  )  # dense | ring | allgather (context parallel over parallel.mesh.cp)
 
   # GRPO with speculative rollouts and the co-training step L = L_RL + lam * L_draft.
-  c.rl = ml_collections.ConfigDict(dict(
-    steps=30, prompts_per_step=8, group_size=8, temperature=1.0, lr=2e-4, grad_clip=1.0,
-    b2=0.98, weight_decay=0.0, advantage="grpo", eps_low=0.2, eps_high=0.28,
-    aggregation="token-mean", beta=0.0, kl_estimator="k3", lam=1.0, eval_every=10,
-    max_new_tokens=0))  # 0: decode.max_new_tokens
+  c.rl = ml_collections.ConfigDict(
+    dict(
+      steps=30,
+      prompts_per_step=8,
+      group_size=8,
+      temperature=1.0,
+      lr=2e-4,
+      grad_clip=1.0,
+      b2=0.98,
+      weight_decay=0.0,
+      advantage="grpo",
+      eps_low=0.2,
+      eps_high=0.28,
+      aggregation="token-mean",
+      beta=0.0,
+      kl_estimator="k3",
+      lam=1.0,
+      eval_every=10,
+      max_new_tokens=0,
+    )
+  )  # 0: decode.max_new_tokens
   # Rollout drafts: cotrained (SD, draft trained with the policy) | fixed (SD, frozen draft) |
   # none (autoregressive).
   c.rollout = ml_collections.ConfigDict(dict(draft="cotrained"))
 
   c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0, num_draft=5))
-  c.eval = ml_collections.ConfigDict(dict(every=400, num_examples=256, batch_size=64,
-                                          sd_temperature=1.0))
+  c.eval = ml_collections.ConfigDict(
+    dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0)
+  )
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
   c.parallel = layout_config(arg.layout)
 

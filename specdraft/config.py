@@ -52,8 +52,9 @@ def validate(config, *, num_devices: int | None = None) -> None:
     if int(m[f]) < 1:
       _fail(f"model.{f}", m[f], "must be >= 1")
   if m.n_heads % m.n_kv_heads:
-    _fail("model.n_kv_heads", m.n_kv_heads,
-          f"model.n_heads={m.n_heads} must be a multiple of it (GQA)")
+    _fail(
+      "model.n_kv_heads", m.n_kv_heads, f"model.n_heads={m.n_heads} must be a multiple of it (GQA)"
+    )
   if m.head_dim % 2:
     _fail("model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
   if m.dtype not in ("float32", "bfloat16"):
@@ -61,8 +62,11 @@ def validate(config, *, num_devices: int | None = None) -> None:
   if m.tap_layers is not None:
     taps = tuple(m.tap_layers)
     if not taps or any(not 0 <= int(t) < m.n_layers for t in taps):
-      _fail("model.tap_layers", taps, f"each tap layer must be in [0, {m.n_layers}) "
-            f"(model.n_layers={m.n_layers})")
+      _fail(
+        "model.tap_layers",
+        taps,
+        f"each tap layer must be in [0, {m.n_layers}) (model.n_layers={m.n_layers})",
+      )
     if len(set(taps)) != len(taps):
       _fail("model.tap_layers", taps, "tap layers must be distinct")
 
@@ -135,11 +139,17 @@ def validate(config, *, num_devices: int | None = None) -> None:
   check_mesh(p, num_devices)
   dp = int(p.mesh.data) * int(p.mesh.fsdp)
   if d.batch_size % dp:
-    _fail("data.batch_size", d.batch_size, f"must be divisible by data*fsdp={dp} "
-          f"(parallel.layout={p.name!r})")
+    _fail(
+      "data.batch_size",
+      d.batch_size,
+      f"must be divisible by data*fsdp={dp} (parallel.layout={p.name!r})",
+    )
   if (rl.prompts_per_step * rl.group_size) % dp:
-    _fail("rl.prompts_per_step", rl.prompts_per_step,
-          f"prompts_per_step * group_size must be divisible by data*fsdp={dp}")
+    _fail(
+      "rl.prompts_per_step",
+      rl.prompts_per_step,
+      f"prompts_per_step * group_size must be divisible by data*fsdp={dp}",
+    )
   if config.eval.batch_size % dp:
     _fail("eval.batch_size", config.eval.batch_size, f"must be divisible by data*fsdp={dp}")
   pp = int(p.mesh.get("pp", 1))
@@ -156,8 +166,12 @@ def _validate_pipeline(config, pp: int) -> None:
 
   m, p = config.model, config.parallel
   if "pipeline" not in p:
-    _fail("parallel.pipeline", None, "pipeline layouts need a parallel.pipeline section "
-          "(microbatches, tap_mode, tap_delay, remat)")
+    _fail(
+      "parallel.pipeline",
+      None,
+      "pipeline layouts need a parallel.pipeline section "
+      "(microbatches, tap_mode, tap_delay, remat)",
+    )
   try:
     spec = pipelined.PipelineSpec.from_config(p.pipeline)
   except ValueError as e:
@@ -170,16 +184,23 @@ def _validate_pipeline(config, pp: int) -> None:
   except ValueError as e:
     raise ValueError(f"config.parallel.mesh.pp={pp} is invalid: {e}") from None
   M = spec.microbatches
-  for field, rows in (("data.batch_size", config.data.batch_size),
-                      ("draft.batch_size", config.draft.batch_size),
-                      ("rl.prompts_per_step * rl.group_size",
-                       config.rl.prompts_per_step * config.rl.group_size)):
+  for field, rows in (
+    ("data.batch_size", config.data.batch_size),
+    ("draft.batch_size", config.draft.batch_size),
+    ("rl.prompts_per_step * rl.group_size", config.rl.prompts_per_step * config.rl.group_size),
+  ):
     if rows % M:
       _fail("parallel.pipeline.microbatches", M, f"must divide {field}={rows}")
   if config.draft.attn_impl != "dense":
-    _fail("draft.attn_impl", config.draft.attn_impl,
-          "pipeline layouts run the draft on the last stage with 'dense' branch attention")
+    _fail(
+      "draft.attn_impl",
+      config.draft.attn_impl,
+      "pipeline layouts run the draft on the last stage with 'dense' branch attention",
+    )
   if spec.tap_mode == "off" and plan.sources and config.rollout.draft == "cotrained":
-    _fail("parallel.pipeline.tap_mode", "off",
-          f"the co-trained draft reads taps held by stages {plan.sources} ({plan.describe()}); "
-          "use 'direct' or 'bulk' ('off' is a timing control only)")
+    _fail(
+      "parallel.pipeline.tap_mode",
+      "off",
+      f"the co-trained draft reads taps held by stages {plan.sources} ({plan.describe()}); "
+      "use 'direct' or 'bulk' ('off' is a timing control only)",
+    )

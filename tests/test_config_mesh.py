@@ -10,8 +10,12 @@ from specdraft.parallel import mesh as mesh_lib
 
 
 def test_default_and_variants_validate():
-  for arg in ("layout=dp8", "task=countdown,layout=fsdp8", "size=small,layout=dp8",
-              "layout=cp4_dp2,smoke"):
+  for arg in (
+    "layout=dp8",
+    "task=countdown,layout=fsdp8",
+    "size=small,layout=dp8",
+    "layout=cp4_dp2,smoke",
+  ):
     config_lib.validate(default_config.get_config(arg))
   c = default_config.get_config("smoke")
   config_lib.validate(c, num_devices=1)
@@ -26,18 +30,21 @@ def test_parse_arg():
     config_lib.parse_arg("sise=small", size="tiny")
 
 
-@pytest.mark.parametrize("field,value,match", [
-  ("model.n_kv_heads", 3, r"model.n_kv_heads=3 is invalid.*multiple"),
-  ("model.tap_layers", (1, 4), r"model.tap_layers=\(1, 4\).*\[0, 4\)"),
-  ("model.head_dim", 7, "model.head_dim=7"),
-  ("task.name", "sudoku", "task.name='sudoku'"),
-  ("data.seq_len", 8, r"data.seq_len=8 .*needs"),
-  ("decode.temperature", -1.0, "decode.temperature"),
-  ("data.batch_size", 6, r"data.batch_size=6 .*data\*fsdp=8"),
-  ("parallel.mesh.data", 4, "mesh size 4 .* cover 8 devices"),
-  ("parallel.devices", 16, r"parallel.devices=16 is invalid"),
-  ("task.arithmetic.min_digits", 5, "min_digits"),
-])
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
+    ("model.n_kv_heads", 3, r"model.n_kv_heads=3 is invalid.*multiple"),
+    ("model.tap_layers", (1, 4), r"model.tap_layers=\(1, 4\).*\[0, 4\)"),
+    ("model.head_dim", 7, "model.head_dim=7"),
+    ("task.name", "sudoku", "task.name='sudoku'"),
+    ("data.seq_len", 8, r"data.seq_len=8 .*needs"),
+    ("decode.temperature", -1.0, "decode.temperature"),
+    ("data.batch_size", 6, r"data.batch_size=6 .*data\*fsdp=8"),
+    ("parallel.mesh.data", 4, "mesh size 4 .* cover 8 devices"),
+    ("parallel.devices", 16, r"parallel.devices=16 is invalid"),
+    ("task.arithmetic.min_digits", 5, "min_digits"),
+  ],
+)
 def test_invalid_configs_name_the_field(field, value, match):
   c = default_config.get_config("layout=dp8")
   node = c
@@ -73,18 +80,21 @@ def test_param_shardings_follow_rules():
   mesh = mesh_lib.make_mesh(c.parallel)
   cfg = pol.PolicyConfig(vocab_size=99, n_layers=2)
   abstract = jax.eval_shape(lambda: pol.init_params(cfg, 0))
-  sh = mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract,
-                               [tuple(r) for r in c.parallel.rules], mesh)
+  sh = mesh_lib.tree_shardings(
+    pol.param_logical_axes(abstract), abstract, [tuple(r) for r in c.parallel.rules], mesh
+  )
   assert sh["layers"]["wq"].spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
   assert sh["layers"]["w_down"].spec == jax.sharding.PartitionSpec(None, "tensor", None)
   assert sh["embed"].spec == jax.sharding.PartitionSpec(None, None)
   c = default_config.get_config("layout=fsdp8")
   mesh = mesh_lib.make_mesh(c.parallel)
-  sh = mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract,
-                               [tuple(r) for r in c.parallel.rules], mesh)
+  sh = mesh_lib.tree_shardings(
+    pol.param_logical_axes(abstract), abstract, [tuple(r) for r in c.parallel.rules], mesh
+  )
   assert sh["layers"]["wq"].spec == jax.sharding.PartitionSpec(None, "fsdp", None, None)
   bad = pol.PolicyConfig(vocab_size=99, d_model=36, n_layers=2)
   abstract = jax.eval_shape(lambda: pol.init_params(bad, 0))
   with pytest.raises(ValueError, match="'embed' of size 36 is not divisible"):
-    mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract,
-                            [tuple(r) for r in c.parallel.rules], mesh)
+    mesh_lib.tree_shardings(
+      pol.param_logical_axes(abstract), abstract, [tuple(r) for r in c.parallel.rules], mesh
+    )

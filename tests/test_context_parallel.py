@@ -1,7 +1,6 @@
 """Context parallelism: zigzag layout, blockwise primitives, ring and all-gather branch attention
 against the dense oracle, in value and gradient, on 8 simulated devices."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,14 +23,25 @@ def inputs(seed, segments, W=3, H=4, K=2, D=8, dtype=jnp.float32):
   B, S = seg.shape
   ks = jax.random.split(jax.random.key(seed), 6)
   n = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype)
-  return (n(ks[0], (B, S, H, D)), n(ks[1], (B, S, K, D)), n(ks[2], (B, S, K, D)),
-          n(ks[3], (B, S, W, H, D)), n(ks[4], (B, S, W, K, D)), n(ks[5], (B, S, W, K, D)), seg)
+  return (
+    n(ks[0], (B, S, H, D)),
+    n(ks[1], (B, S, K, D)),
+    n(ks[2], (B, S, K, D)),
+    n(ks[3], (B, S, W, H, D)),
+    n(ks[4], (B, S, W, K, D)),
+    n(ks[5], (B, S, W, K, D)),
+    seg,
+  )
 
 
 # Row 0: a length-1 document, documents straddling chunks and ranks, tail padding (13 real
 # tokens: at cp=4 rank 0's second chunk is all padding). Row 1: many short documents.
-SEGS = np.array([[1, 2, 2, 2, 2, 2, 3, 4, 4, 4, 4, 4, 4, 0, 0, 0],
-                 [1, 1, 2, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 7, 7]])
+SEGS = np.array(
+  [
+    [1, 2, 2, 2, 2, 2, 3, 4, 4, 4, 4, 4, 4, 0, 0, 0],
+    [1, 1, 2, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 7, 7],
+  ]
+)
 
 
 def value_and_grads(fn, xs, branch):
@@ -40,8 +50,9 @@ def value_and_grads(fn, xs, branch):
 
   def loss(*a):
     out, out_br = fn(*a, seg, branch=branch)
-    return (jnp.sum(jnp.sin(out.astype(jnp.float32))) +
-            jnp.sum(jnp.cos(out_br.astype(jnp.float32)) * out_br.astype(jnp.float32)))
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(
+      jnp.cos(out_br.astype(jnp.float32)) * out_br.astype(jnp.float32)
+    )
 
   f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
   outs = jax.jit(lambda *a: fn(*a, seg, branch=branch))(*xs[:6])
@@ -73,7 +84,7 @@ def test_zigzag_permutation(cp):
   perm = zigzag.permutation(S, cp)
   c = S // (2 * cp)
   for r in range(cp):
-    local = perm[r * 2 * c:(r + 1) * 2 * c]
+    local = perm[r * 2 * c : (r + 1) * 2 * c]
     np.testing.assert_array_equal(local[:c] // c, r)
     np.testing.assert_array_equal(local[c:] // c, 2 * cp - 1 - r)
   x = jnp.arange(2 * S).reshape(2, S)
@@ -91,9 +102,15 @@ def test_zigzag_shift_matches_global_shift_elementwise(cp, n):
   mesh = cp_mesh(cp)
   spec = P(None, "cp")
   shift = jax.shard_map(
-    lambda a, s: (zigzag.shift_local(a, n, axis_name="cp", cp=cp, fill=-1),
-                  zigzag.shift_local(s, n, axis_name="cp", cp=cp, fill=0)),
-    mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False)
+    lambda a, s: (
+      zigzag.shift_local(a, n, axis_name="cp", cp=cp, fill=-1),
+      zigzag.shift_local(s, n, axis_name="cp", cp=cp, fill=0),
+    ),
+    mesh=mesh,
+    in_specs=(spec, spec),
+    out_specs=(spec, spec),
+    check_vma=False,
+  )
   xs, ss = shift(zigzag.to_zigzag(x, cp), zigzag.to_zigzag(seg, cp))
   xs, ss = zigzag.from_zigzag(xs, cp), zigzag.from_zigzag(ss, cp)
   want = np.concatenate([np.asarray(x)[:, n:], np.full((B, n), -1)], axis=1)[:, :S]
@@ -128,8 +145,9 @@ def test_merge_is_exact_and_nan_free():
   b = bw.blk(q, k[:, 7:], v[:, 7:], qr, bw.Rows(pos[:, 7:], kr.seg[:, 7:]))
   out, lse = bw.merge(*a, *b)
   np.testing.assert_allclose(out, full[0], atol=1e-6)
-  np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse), np.where(np.isinf(full[1]), 0,
-                                                                       full[1]), atol=1e-5)
+  np.testing.assert_allclose(
+    np.where(np.isinf(lse), 0, lse), np.where(np.isinf(full[1]), 0, full[1]), atol=1e-5
+  )
   # huge LSE values do not overflow; (0, -inf) is the identity; gradients stay finite
   big = (a[0], a[1] + 1e4)
   o2, l2 = bw.merge(*big, jnp.zeros_like(a[0]), jnp.full_like(a[1], -jnp.inf))
@@ -154,8 +172,9 @@ def test_ring_matches_oracle_value_and_gradient(cp, branch):
 @pytest.mark.parametrize("cp", [2, 8])
 def test_allgather_matches_oracle(cp, branch):
   xs = inputs(10 + cp, SEGS)
-  assert_close(value_and_grads(cp_impl("allgather", cp), xs, branch),
-               value_and_grads(dense, xs, branch), 2e-5)
+  assert_close(
+    value_and_grads(cp_impl("allgather", cp), xs, branch), value_and_grads(dense, xs, branch), 2e-5
+  )
 
 
 @pytest.mark.parametrize("branch", ["ttt", "block"])
@@ -177,8 +196,9 @@ def test_bf16_inputs_accumulate_in_fp32():
 
 def test_no_branch_entries_and_unpadded_lengths():
   xs = inputs(40, SEGS[:, :13], W=0)  # S=13 is padded to 16 internally
-  assert_close(value_and_grads(cp_impl("ring", 4), xs, "ttt"), value_and_grads(dense, xs, "ttt"),
-               2e-5)
+  assert_close(
+    value_and_grads(cp_impl("ring", 4), xs, "ttt"), value_and_grads(dense, xs, "ttt"), 2e-5
+  )
 
 
 @pytest.mark.parametrize("branch", ["ttt", "block"])
@@ -194,7 +214,13 @@ def test_padding_is_exactly_zero_and_isolated(branch):
   # mutating document 4 of row 0 (positions 7..12) leaves documents 1..3 unchanged
   q, k, v, qb, kb, vb, _ = xs
   moved = jax.jit(lambda *a: fn(*a, seg, branch=branch))(
-    q, k.at[0, 7:13].add(3.0), v.at[0, 7:13].add(3.0), qb, kb.at[0, 7:13].add(3.0), vb, )
+    q,
+    k.at[0, 7:13].add(3.0),
+    v.at[0, 7:13].add(3.0),
+    qb,
+    kb.at[0, 7:13].add(3.0),
+    vb,
+  )
   np.testing.assert_allclose(moved[0][0, :7], out[0, :7], atol=1e-6)
   np.testing.assert_allclose(moved[1][0, :7], out_br[0, :7], atol=1e-6)
   assert not np.allclose(moved[0][0, 8], out[0, 8])
@@ -227,8 +253,9 @@ def test_bad_inputs_are_clear_errors():
   from specdraft.attention import ring
 
   with pytest.raises(ValueError, match="two equal zigzag chunks"):
-    ring.ring_attention_shard(*(x[:, :5] for x in xs[:6]), xs[-1][:, :5], xs[-1][:, :5],
-                              branch="ttt", axis_name="cp", cp=1)
+    ring.ring_attention_shard(
+      *(x[:, :5] for x in xs[:6]), xs[-1][:, :5], xs[-1][:, :5], branch="ttt", axis_name="cp", cp=1
+    )
 
 
 # ----------------------------------------------------------------------------- integration
@@ -253,14 +280,18 @@ def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
   seg[0, 9:] = 2
   seg[1, 17:] = 0
   pos = np.concatenate([np.arange(9), np.arange(S - 9)])[None].repeat(B, 0) * (seg > 0)
-  batch = {"tokens": jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32),
-           "positions": jnp.asarray(pos, jnp.int32), "segment_ids": jnp.asarray(seg),
-           "loss_mask": jnp.asarray(seg > 0, jnp.float32)}
+  batch = {
+    "tokens": jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32),
+    "positions": jnp.asarray(pos, jnp.int32),
+    "segment_ids": jnp.asarray(seg),
+    "loss_mask": jnp.asarray(seg > 0, jnp.float32),
+  }
   mesh = mesh_lib.make_mesh(c.parallel)
 
   def run(impl):
-    f = lambda d: draft_lib.draft_loss_on_batch(d, params, pcfg, dcfg, batch, attn_impl=impl,
-                                                mesh=mesh)
+    f = lambda d: draft_lib.draft_loss_on_batch(
+      d, params, pcfg, dcfg, batch, attn_impl=impl, mesh=mesh
+    )
     return jax.jit(jax.value_and_grad(f, has_aux=True))(dparams)
 
   (l1, m1), g1 = run("dense")

@@ -41,7 +41,7 @@ def test_padded_batches(smoke_config):
     assert b["tokens"][row, n - 1] == EOS
     # loss on the answer and EOS only
     assert b["loss_mask"][row].sum() == len(answer) + 1
-    assert b["loss_mask"][row, :len(prompt) + 2].sum() == 0
+    assert b["loss_mask"][row, : len(prompt) + 2].sum() == 0
 
 
 def test_packed_batches_and_resume(smoke_config):
@@ -67,8 +67,9 @@ def test_packed_batches_and_resume(smoke_config):
 
 def test_example_too_long_is_a_clear_error(smoke_config):
   src = task_data.data_source(smoke_config.task, smoke_config.data.data_dir, "train")
-  it = iter(loader.sft_dataset(src, CharTokenizer(), batch_size=2, seq_len=5, packing=False,
-                               seed=0))
+  it = iter(
+    loader.sft_dataset(src, CharTokenizer(), batch_size=2, seq_len=5, packing=False, seed=0)
+  )
   with pytest.raises(ValueError, match="data.seq_len=5"):
     next(it)
 
@@ -81,12 +82,15 @@ def test_jsonl_loader(tmp_path):
   assert [(e.prompt, e.answer) for e in exs] == [(r["prompt"], r["answer"]) for r in recs]
 
 
-@pytest.mark.parametrize("line,msg", [
-  ('{"prompt": "a"', "not valid JSON"),
-  ('{"prompt": "a"}', "missing field 'answer'"),
-  ('{"prompt": "a", "answer": 3}', "'answer' must be a string"),
-  ('[1, 2]', "expected an object"),
-])
+@pytest.mark.parametrize(
+  "line,msg",
+  [
+    ('{"prompt": "a"', "not valid JSON"),
+    ('{"prompt": "a"}', "missing field 'answer'"),
+    ('{"prompt": "a", "answer": 3}', "'answer' must be a string"),
+    ("[1, 2]", "expected an object"),
+  ],
+)
 def test_jsonl_malformed_record_names_file_and_line(tmp_path, line, msg):
   path = tmp_path / "bad.jsonl"
   path.write_text('{"prompt": "x", "answer": "y"}\n' + line + "\n")
@@ -96,8 +100,9 @@ def test_jsonl_malformed_record_names_file_and_line(tmp_path, line, msg):
 
 def test_jsonl_task_through_tfds(smoke_config, tmp_path):
   path = tmp_path / "mine.jsonl"
-  path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
-                          for i in range(20)))
+  path.write_text(
+    "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(20))
+  )
   t = smoke_config.task
   t.name, t.jsonl.path, t.num_test = "jsonl", str(path), 5
   test, train = task_data.generate_splits(t)

@@ -17,11 +17,15 @@ def test_group_advantages_by_hand():
   g = grpo.group_advantages(r, 4, mode="grpo")
   # group 1: mean 0.5, std 0.5 -> +-1 (up to eps); group 2: constant -> 0
   np.testing.assert_allclose(g, [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
-  np.testing.assert_allclose(grpo.group_advantages(r, 4, mode="drgrpo"),
-                             [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+  np.testing.assert_allclose(
+    grpo.group_advantages(r, 4, mode="drgrpo"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+  )
   # rloo: r_i - mean of the other three
-  np.testing.assert_allclose(grpo.group_advantages(r, 4, mode="rloo"),
-                             [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3, 0, 0, 0, 0], atol=1e-6)
+  np.testing.assert_allclose(
+    grpo.group_advantages(r, 4, mode="rloo"),
+    [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3, 0, 0, 0, 0],
+    atol=1e-6,
+  )
   with pytest.raises(ValueError, match="whole number of groups"):
     grpo.group_advantages(r, 3)
   with pytest.raises(ValueError, match="rl.advantage='ppo'"):
@@ -42,8 +46,9 @@ def test_clipped_loss_and_aggregations_by_hand():
   np.testing.assert_allclose(tm, (-1.28 - 1 + 3) / 3, rtol=1e-5)
   sm, _ = grpo.policy_loss(logp, old, adv, mask, aggregation="sequence-mean-token-mean", **kw)
   np.testing.assert_allclose(sm, ((-1.28 - 1) / 2 + 3) / 2, rtol=1e-5)
-  ss, _ = grpo.policy_loss(logp, old, adv, mask, aggregation="sequence-mean-token-scale",
-                           max_tokens=4, **kw)
+  ss, _ = grpo.policy_loss(
+    logp, old, adv, mask, aggregation="sequence-mean-token-scale", max_tokens=4, **kw
+  )
   np.testing.assert_allclose(ss, ((-1.28 - 1) / 4 + 3 / 4) / 2, rtol=1e-5)
   np.testing.assert_allclose(m["clip_frac"], 1 / 3, rtol=1e-5)  # only seq0 tok0 is clipped
   # KL: k1 = logp - ref ; k3 = exp(ref - logp) - (ref - logp) - 1
@@ -52,16 +57,32 @@ def test_clipped_loss_and_aggregations_by_hand():
   np.testing.assert_allclose(k1[0, :2], [np.log(2), np.log(2)], rtol=1e-5)
   k3 = grpo.kl_penalty(logp, ref, "k3")
   np.testing.assert_allclose(k3[1, 0], 0.5 - np.log(0.5) - 1, rtol=1e-5)
-  kl_loss, km = grpo.policy_loss(logp, old, adv, mask, aggregation="token-mean", ref_logp_NS=ref,
-                                 beta=0.1, kl_estimator="k1", **kw)
+  kl_loss, km = grpo.policy_loss(
+    logp,
+    old,
+    adv,
+    mask,
+    aggregation="token-mean",
+    ref_logp_NS=ref,
+    beta=0.1,
+    kl_estimator="k1",
+    **kw,
+  )
   np.testing.assert_allclose(kl_loss - tm, 0.1 * (np.log(2) * 2 + np.log(2)) / 3, rtol=1e-5)
 
 
 def test_log_ratio_is_clipped():
   logp = jnp.array([[0.0]])
   old = jnp.array([[-100.0]])
-  loss, _ = grpo.policy_loss(logp, old, jnp.array([-1.0]), jnp.ones((1, 1)), eps_low=0.2,
-                             eps_high=0.2, aggregation="token-mean")
+  loss, _ = grpo.policy_loss(
+    logp,
+    old,
+    jnp.array([-1.0]),
+    jnp.ones((1, 1)),
+    eps_low=0.2,
+    eps_high=0.2,
+    aggregation="token-mean",
+  )
   np.testing.assert_allclose(loss, np.exp(20.0), rtol=1e-5)
 
 
@@ -78,18 +99,24 @@ def setup():
   lengths = np.array([20, 16, 12, 18])
   seg = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
   mask = (seg * (np.arange(S)[None] >= 6)).astype(np.float32)
-  batch = {"tokens": jnp.asarray(tokens), "positions": jnp.asarray(np.arange(S)[None] * seg),
-           "segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask),
-           "logprobs": jnp.asarray(np.log(rng.uniform(0.01, 0.2, (B, S))) * mask, jnp.float32),
-           "advantages": jnp.asarray([1.0, -0.5, 0.3, -0.8])}
+  batch = {
+    "tokens": jnp.asarray(tokens),
+    "positions": jnp.asarray(np.arange(S)[None] * seg),
+    "segment_ids": jnp.asarray(seg),
+    "loss_mask": jnp.asarray(mask),
+    "logprobs": jnp.asarray(np.log(rng.uniform(0.01, 0.2, (B, S))) * mask, jnp.float32),
+    "advantages": jnp.asarray([1.0, -0.5, 0.3, -0.8]),
+  }
   return c, pcfg, dcfg, params, dparams, batch
 
 
 def _parts(c, pcfg, dcfg, batch, **kw):
   """(dL_RL, dL_draft) w.r.t. {policy, draft}, computed separately."""
+
   def rl_only(tr):
-    return step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=0.0,
-                                 train_draft=False, **kw)[0]
+    return step_lib.cotrain_loss(
+      tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=0.0, train_draft=False, **kw
+    )[0]
 
   def draft_only(tr):
     _, m = step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, **kw)
@@ -126,8 +153,11 @@ def test_lambda_zero_policy_update_is_bit_identical_to_rl_only(setup):
     tx = step_lib.make_cotrain_optimizer(c.rl, c.draft, train_draft=train_draft)
     tr = {"policy": params, "draft": dparams}
     st = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
-    f = jax.jit(lambda s, b, tx=tx, td=train_draft, lam=lam: step_lib.cotrain_step(
-      s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=lam, train_draft=td))
+    f = jax.jit(
+      lambda s, b, tx=tx, td=train_draft, lam=lam: step_lib.cotrain_step(
+        s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=lam, train_draft=td
+      )
+    )
     for _ in range(2):
       st, m = f(st, batch)
     outs[name] = jax.device_get(st["params"])
@@ -159,8 +189,9 @@ def test_cotrain_step_runs_one_policy_forward(setup):
   tr = {"policy": params, "draft": dparams}
 
   def scans(train_draft, lam):
-    loss = lambda t: step_lib.cotrain_loss(t, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=lam,
-                                           train_draft=train_draft)[0]
+    loss = lambda t: step_lib.cotrain_loss(
+      t, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=lam, train_draft=train_draft
+    )[0]
     fwd = jax.make_jaxpr(loss)(tr).jaxpr
     bwd = jax.make_jaxpr(jax.grad(loss))(tr).jaxpr
     return _count_scans(fwd), _count_scans(bwd)

@@ -29,8 +29,16 @@ def mesh_for(name):
 
 @pytest.fixture(scope="module")
 def setup():
-  pcfg = pol.PolicyConfig(vocab_size=99, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2,
-                          head_dim=8, d_ff=64, tap_layers=TAPS)
+  pcfg = pol.PolicyConfig(
+    vocab_size=99,
+    d_model=32,
+    n_layers=8,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=64,
+    tap_layers=TAPS,
+  )
   theta = pol.init_params(pcfg, 0)
   rng = np.random.default_rng(0)
   B, S = 8, 16
@@ -50,10 +58,14 @@ def setup():
       pos[b, t] = pos[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
   pos = pos * (seg > 0)
   mask = ((seg > 0) & (np.arange(S)[None] >= 3)).astype(np.float32)
-  batch = {"tokens": jnp.asarray(tokens), "positions": jnp.asarray(pos),
-           "segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask),
-           "logprobs": jnp.asarray(np.log(rng.uniform(0.01, 0.2, (B, S))) * mask, jnp.float32),
-           "advantages": jnp.asarray(rng.normal(size=B), jnp.float32)}
+  batch = {
+    "tokens": jnp.asarray(tokens),
+    "positions": jnp.asarray(pos),
+    "segment_ids": jnp.asarray(seg),
+    "loss_mask": jnp.asarray(mask),
+    "logprobs": jnp.asarray(np.log(rng.uniform(0.01, 0.2, (B, S))) * mask, jnp.float32),
+    "advantages": jnp.asarray(rng.normal(size=B), jnp.float32),
+  }
   return pcfg, theta, batch
 
 
@@ -61,16 +73,16 @@ def _unpipelined_per_microbatch(pcfg, theta, batch, M):
   """The unpipelined model on each microbatch (the same arithmetic shapes), merged back."""
   f = jax.jit(lambda t, p, s: pol.forward(theta, pcfg, t, p, s))
   split = lambda x: pipe.split_microbatches(x, M)
-  outs = [f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids")))
-          for m in range(M)]
+  outs = [
+    f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids"))) for m in range(M)
+  ]
   logits = pipe.merge_microbatches(jnp.stack([o[0] for o in outs]))
   taps = jax.vmap(pipe.merge_microbatches, in_axes=1)(jnp.stack([o[1].layers for o in outs]))
   return logits, taps
 
 
 def _sft_grad(pcfg, batch, **kw):
-  return jax.jit(jax.value_and_grad(
-    lambda th: step_lib.sft_loss(th, pcfg, batch, **kw)[0]))
+  return jax.jit(jax.value_and_grad(lambda th: step_lib.sft_loss(th, pcfg, batch, **kw)[0]))
 
 
 # ----------------------------------------------------------------------------- plan and schedule
@@ -123,13 +135,22 @@ def test_config_errors_name_the_field(smoke_config):
     with pytest.raises(ValueError, match=match):
       config_lib.validate(c, num_devices=8)
 
-  bad("pp4_dp2", r"n_layers=6 cannot be split into 4 equal pipeline stages", **{
-    "model.n_layers": 6, "model.tap_layers": (1, 2)})
+  bad(
+    "pp4_dp2",
+    r"n_layers=6 cannot be split into 4 equal pipeline stages",
+    **{"model.n_layers": 6, "model.tap_layers": (1, 2)},
+  )
   bad("pp2", r"tap_layers=\(1, 9\).*\[0, 4\)", **{"model.tap_layers": (1, 9)})
-  bad("pp4_dp2", r"parallel.pipeline.microbatches=3.*must divide data.batch_size=8",
-      **{"parallel.pipeline.microbatches": 3})
-  bad("pp4_dp2", r"parallel.pipeline.tap_mode='off'.*stages \(0, 1\)",
-      **{"parallel.pipeline.tap_mode": "off"})
+  bad(
+    "pp4_dp2",
+    r"parallel.pipeline.microbatches=3.*must divide data.batch_size=8",
+    **{"parallel.pipeline.microbatches": 3},
+  )
+  bad(
+    "pp4_dp2",
+    r"parallel.pipeline.tap_mode='off'.*stages \(0, 1\)",
+    **{"parallel.pipeline.tap_mode": "off"},
+  )
   bad("pp4_dp2", r"tap_mode='carrier' is unknown", **{"parallel.pipeline.tap_mode": "carrier"})
   bad("pp4_dp2", r"draft.attn_impl='ring'.*last stage", **{"draft.attn_impl": "ring"})
   c = default_config.get_config("smoke,layout=pp4_dp2")
@@ -139,17 +160,27 @@ def test_config_errors_name_the_field(smoke_config):
 # ----------------------------------------------------------------------------- against the oracle
 
 
-@pytest.mark.parametrize("P,M", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow),
-                                 pytest.param(4, 4, marks=pytest.mark.slow), (4, 8)])
+@pytest.mark.parametrize(
+  "P,M",
+  [
+    (2, 2),
+    pytest.param(2, 4, marks=pytest.mark.slow),
+    pytest.param(4, 4, marks=pytest.mark.slow),
+    (4, 8),
+  ],
+)
 def test_logits_taps_and_policy_grads_equal_unpipelined(setup, P, M):
   pcfg, theta, batch = setup
   mesh = mesh_for(f"pp{P}")
   spec = pipelined.PipelineSpec(microbatches=M, tap_mode="direct")
-  logits, taps, sent = jax.jit(lambda th: pipelined.forward(
-    th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh,
-    spec=spec))(theta)
-  ref_logits, ref_taps = pol.forward(theta, pcfg, batch["tokens"], batch["positions"],
-                                     batch["segment_ids"])
+  logits, taps, sent = jax.jit(
+    lambda th: pipelined.forward(
+      th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, spec=spec
+    )
+  )(theta)
+  ref_logits, ref_taps = pol.forward(
+    theta, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"]
+  )
   np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(taps.final, ref_taps.final, atol=1e-5, rtol=1e-5)
   # Taps bit-exact: receiver buffer == what each stage sent == the unpipelined layer outputs.
@@ -173,12 +204,19 @@ def test_every_tap_mode_delivers_the_same_buffer(setup):
   mesh = mesh_for("pp4")
   plan = TapPlan(TAPS, pcfg.n_layers, 4)
   got = {}
-  for mode, delay in (("direct", False), ("direct", True), ("bulk", False), ("hop", False),
-                      ("off", False)):
+  for mode, delay in (
+    ("direct", False),
+    ("direct", True),
+    ("bulk", False),
+    ("hop", False),
+    ("off", False),
+  ):
     spec = pipelined.PipelineSpec(microbatches=4, tap_mode=mode, tap_delay=delay)
-    logits, taps, _ = jax.jit(lambda th, spec=spec: pipelined.forward(
-      th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh,
-      spec=spec))(theta)
+    logits, taps, _ = jax.jit(
+      lambda th, spec=spec: pipelined.forward(
+        th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, spec=spec
+      )
+    )(theta)
     got[(mode, delay)] = (logits, taps.layers)
   ref_logits, ref_taps = got[("direct", False)]
   for (mode, delay), (logits, taps) in got.items():
@@ -200,15 +238,22 @@ def test_every_tap_mode_delivers_the_same_buffer(setup):
 def cotrain_setup(setup):
   pcfg, theta, batch = setup
   c = default_config.get_config("smoke")
-  dcfg = eagle3.DraftConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-                            n_taps=len(pcfg.taps), vocab_size=99, ttt_steps=2)
+  dcfg = eagle3.DraftConfig(
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    d_ff=64,
+    n_taps=len(pcfg.taps),
+    vocab_size=99,
+    ttt_steps=2,
+  )
   dparams = eagle3.init_params(dcfg, 1, theta, pcfg)
   return c, pcfg, dcfg, {"policy": theta, "draft": dparams}, batch
 
 
 def _cotrain_grad(c, pcfg, dcfg, batch, **kw):
-  f = lambda tr: step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0,
-                                       **kw)
+  f = lambda tr: step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, **kw)
   return jax.jit(jax.value_and_grad(f, has_aux=True))
 
 
@@ -240,10 +285,16 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   spec = pipelined.PipelineSpec(microbatches=4, tap_mode="direct", tap_delay=True, remat=True)
   outs = {}
   for name, kw in (("single", {}), ("pp4_dp2", dict(mesh=mesh, pipeline=spec))):
-    f = jax.jit(lambda s, b, kw=kw: step_lib.cotrain_step(
-      s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, tx=tx, lam=1.0, ref_params=ref, **kw))
-    sh_batch = batch if name == "single" else mesh_lib.shard_batch(
-      batch, mesh, [tuple(r) for r in layouts.DEFAULT_RULES])
+    f = jax.jit(
+      lambda s, b, kw=kw: step_lib.cotrain_step(
+        s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, tx=tx, lam=1.0, ref_params=ref, **kw
+      )
+    )
+    sh_batch = (
+      batch
+      if name == "single"
+      else mesh_lib.shard_batch(batch, mesh, [tuple(r) for r in layouts.DEFAULT_RULES])
+    )
     outs[name] = f(state, sh_batch)
   (s1, m1), (s2, m2) = outs["single"], outs["pp4_dp2"]
   for k in m1:
@@ -264,8 +315,9 @@ def _grad_permutes(pcfg, theta, batch, *, mode="direct", stop=True):
   def objective(th, extra, logits, taps, b, ref):  # a draft-like consumer of the taps
     return jnp.mean(jnp.sin(taps.layers)) + jnp.mean(logits), {}
 
-  f = lambda th: pipelined.loss(th, None, batch, objective, pcfg=pcfg, mesh=mesh, spec=spec,
-                                stop_tap_gradient=stop)[0]
+  f = lambda th: pipelined.loss(
+    th, None, batch, objective, pcfg=pcfg, mesh=mesh, spec=spec, stop_tap_gradient=stop
+  )[0]
   # value_and_grad: the loss (which reads the taps) is an output, so the taps must travel
   prog = jax.jit(jax.value_and_grad(f)).lower(theta).compile().as_text()
   return hlo_lib.collective_permutes(prog)
@@ -292,8 +344,9 @@ def test_bulk_moves_exactly_the_tapped_bytes_and_main_shift_is_unchanged(setup):
   pcfg, theta, batch = setup
   plan = TapPlan(TAPS, pcfg.n_layers, 4)
   B, S = batch["tokens"].shape
-  main = lambda ps: [(p.pairs, p.operand_bytes, p.runs) for p in ps
-                     if p.pairs == ((0, 1), (1, 2), (2, 3))]
+  main = lambda ps: [
+    (p.pairs, p.operand_bytes, p.runs) for p in ps if p.pairs == ((0, 1), (1, 2), (2, 3))
+  ]
   res = {m: _grad_permutes(pcfg, theta, batch, mode=m) for m in ("off", "bulk")}
   assert main(res["off"]) == main(res["bulk"])
   assert [p for p in res["off"] if len(p.pairs) == 1] == []  # off: nothing but the pipeline

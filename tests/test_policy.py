@@ -9,8 +9,9 @@ from specdraft.model import policy as pol
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = pol.PolicyConfig(vocab_size=32, d_model=32, n_layers=6, n_heads=4, n_kv_heads=2,
-                         head_dim=8, d_ff=64)
+  cfg = pol.PolicyConfig(
+    vocab_size=32, d_model=32, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64
+  )
   params = pol.init_params(cfg, 0)
   # Perturb norms so that tests do not pass by symmetry of ones.
   params = jax.tree.map(lambda x: x, params)
@@ -37,8 +38,9 @@ def test_shapes_and_taps(setup):
   seg = jnp.ones((2, 11), jnp.int32)
   start = 0
   for i, t in enumerate(cfg.taps):
-    x, _, _ = pol.run_layers(pol.slice_layers(params["layers"], start, t + 1), x, cfg,
-                             positions_BT=pos, segment_ids_BT=seg)
+    x, _, _ = pol.run_layers(
+      pol.slice_layers(params["layers"], start, t + 1), x, cfg, positions_BT=pos, segment_ids_BT=seg
+    )
     np.testing.assert_allclose(taps.layers[i], x, atol=1e-5)
     start = t + 1
 
@@ -54,8 +56,9 @@ def test_layer_slices_compose(setup):
   for cuts in [(0, 3, 6), (0, 1, 2, 4, 6), (0, 6)]:
     x = x0
     for a, b in zip(cuts[:-1], cuts[1:]):
-      x, _, _ = pol.run_layers(pol.slice_layers(params["layers"], a, b), x, cfg,
-                               positions_BT=pos, segment_ids_BT=seg)
+      x, _, _ = pol.run_layers(
+        pol.slice_layers(params["layers"], a, b), x, cfg, positions_BT=pos, segment_ids_BT=seg
+      )
     np.testing.assert_allclose(x, full, atol=1e-5)
 
 
@@ -82,7 +85,7 @@ def test_incremental_decode_reproduces_forward(setup):
       np.testing.assert_allclose(tp.final[b, 0], taps.final[b, int(plen[b]) + i], atol=1e-5)
   for b in range(3):
     n = int(plen[b])
-    np.testing.assert_allclose(np.stack(got[b]), logits[b, n:n + 5], atol=1e-5)
+    np.testing.assert_allclose(np.stack(got[b]), logits[b, n : n + 5], atol=1e-5)
   np.testing.assert_array_equal(cache.lengths, plen + 5)
 
 
@@ -130,8 +133,17 @@ def test_taps_carry_no_gradient(setup):
 
 
 def test_untied_head_and_bf16(setup):
-  cfg = pol.PolicyConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                         head_dim=16, d_ff=64, tie_embeddings=False, dtype="bfloat16")
+  cfg = pol.PolicyConfig(
+    vocab_size=32,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    tie_embeddings=False,
+    dtype="bfloat16",
+  )
   params = pol.init_params(cfg, 1)
   assert params["head"].shape == (32, 32)
   logits, taps = pol.forward(params, cfg, jnp.ones((1, 5), jnp.int32))

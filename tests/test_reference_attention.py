@@ -15,8 +15,11 @@ def _rand(key, shape):
 def make_inputs(seed, B=2, S=9, W=3, H=4, K=2, D=8, segments=None):
   ks = jax.random.split(jax.random.key(seed), 6)
   q, k, v = _rand(ks[0], (B, S, H, D)), _rand(ks[1], (B, S, K, D)), _rand(ks[2], (B, S, K, D))
-  qb, kb, vb = (_rand(ks[3], (B, S, W, H, D)), _rand(ks[4], (B, S, W, K, D)),
-                _rand(ks[5], (B, S, W, K, D)))
+  qb, kb, vb = (
+    _rand(ks[3], (B, S, W, H, D)),
+    _rand(ks[4], (B, S, W, K, D)),
+    _rand(ks[5], (B, S, W, K, D)),
+  )
   if segments is None:
     segments = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 0], [1, 1, 1, 1, 1, 2, 2, 0, 0]][:B])
   return q, k, v, qb, kb, vb, jnp.asarray(segments[:, :S], jnp.int32)
@@ -24,8 +27,10 @@ def make_inputs(seed, B=2, S=9, W=3, H=4, K=2, D=8, segments=None):
 
 def loop_oracle(q, k, v, qb, kb, vb, seg, branch):
   """Per-query softmax over an explicit list of visible keys (float64 numpy)."""
-  q, k, v, qb, kb, vb, seg = (np.asarray(x, np.float64) if x.dtype != np.int32 else np.asarray(x)
-                              for x in (q, k, v, qb, kb, vb, seg))
+  q, k, v, qb, kb, vb, seg = (
+    np.asarray(x, np.float64) if x.dtype != np.int32 else np.asarray(x)
+    for x in (q, k, v, qb, kb, vb, seg)
+  )
   B, S, H, D = q.shape
   W, K = qb.shape[2], k.shape[2]
   G = H // K
@@ -46,8 +51,9 @@ def loop_oracle(q, k, v, qb, kb, vb, seg, branch):
       same = [s for s in range(S) if seg[b, s] == seg[b, t]]
       for h in range(H):
         kh = h // G
-        out[b, t, h] = attend(q[b, t, h], [k[b, s, kh] for s in same if s <= t],
-                              [v[b, s, kh] for s in same if s <= t])
+        out[b, t, h] = attend(
+          q[b, t, h], [k[b, s, kh] for s in same if s <= t], [v[b, s, kh] for s in same if s <= t]
+        )
         for j in range(W):
           ts = [s for s in same if (s <= t if branch == "ttt" else s < t)]
           bs = [i for i in range(W) if (i <= j if branch == "ttt" else True)]
@@ -119,20 +125,23 @@ def test_isolation(branch):
   np.testing.assert_array_equal(out_br[0, :3], base_br[0, :3])
   np.testing.assert_array_equal(out[0, 5:], base[0, 5:])
   # A future trunk position (2) leaves rows 0..1 unchanged (trunk and branch).
-  out, out_br = branch_attention(q, k.at[0, 2].add(3.0), v.at[0, 2].add(3.0), qb, kb, vb, seg,
-                                 branch=branch)
+  out, out_br = branch_attention(
+    q, k.at[0, 2].add(3.0), v.at[0, 2].add(3.0), qb, kb, vb, seg, branch=branch
+  )
   np.testing.assert_array_equal(out[0, :2], base[0, :2])
   np.testing.assert_array_equal(out_br[0, :2], base_br[0, :2])
   assert not np.allclose(out[0, 2], base[0, 2])
   # Another branch (anchor 1) does not affect branch anchored at 0 or any trunk row.
-  out, out_br = branch_attention(q, k, v, qb, kb.at[0, 1].add(3.0), vb.at[0, 1].add(3.0), seg,
-                                 branch=branch)
+  out, out_br = branch_attention(
+    q, k, v, qb, kb.at[0, 1].add(3.0), vb.at[0, 1].add(3.0), seg, branch=branch
+  )
   np.testing.assert_array_equal(out, base)
   np.testing.assert_array_equal(out_br[0, 0], base_br[0, 0])
   np.testing.assert_array_equal(out_br[0, 2:], base_br[0, 2:])
   # ttt: a later branch entry (j=2) does not affect earlier ones (j<2) of the same anchor.
-  out, out_br = branch_attention(q, k, v, qb, kb.at[0, 1, 2].add(3.0), vb.at[0, 1, 2].add(3.0),
-                                 seg, branch=branch)
+  out, out_br = branch_attention(
+    q, k, v, qb, kb.at[0, 1, 2].add(3.0), vb.at[0, 1, 2].add(3.0), seg, branch=branch
+  )
   if branch == "ttt":
     np.testing.assert_array_equal(out_br[0, 1, :2], base_br[0, 1, :2])
   else:

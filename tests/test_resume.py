@@ -33,13 +33,19 @@ def test_sigkill_mid_rl_then_resume_matches_uninterrupted(smoke_config, tmp_path
   loop.train_and_evaluate(c, full)
 
   wd = str(tmp_path / "killed")
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-         "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke", f"--workdir={wd}",
-         f"--config.data.data_dir={c.data.data_dir}", "--config.parallel.devices=1",
-         "--config.checkpoint.every=2"]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "train.py"),
+    "--config=" + os.path.join(ROOT, "configs", "default.py") + ":smoke",
+    f"--workdir={wd}",
+    f"--config.data.data_dir={c.data.data_dir}",
+    "--config.parallel.devices=1",
+    "--config.checkpoint.every=2",
+  ]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   metrics = os.path.join(wd, "metrics.jsonl")
   deadline = time.time() + 600
   while time.time() < deadline and proc.poll() is None:

@@ -16,10 +16,27 @@ from specdraft.model import policy as pol
 
 
 def small_models(V=16, L=4, std=0.02, seed=0, ttt_steps=4):
-  pcfg = pol.PolicyConfig(vocab_size=V, d_model=32, n_layers=L, n_heads=2, n_kv_heads=1,
-                          head_dim=16, d_ff=64, init_std=std)
-  dcfg = eagle3.DraftConfig(d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2,
-                            n_kv_heads=1, head_dim=16, d_ff=64, ttt_steps=ttt_steps, init_std=std)
+  pcfg = pol.PolicyConfig(
+    vocab_size=V,
+    d_model=32,
+    n_layers=L,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    init_std=std,
+  )
+  dcfg = eagle3.DraftConfig(
+    d_model=32,
+    vocab_size=V,
+    n_taps=len(pcfg.taps),
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    ttt_steps=ttt_steps,
+    init_std=std,
+  )
   params = pol.init_params(pcfg, seed)
   params["embed"] = params["embed"] * 3.0  # sharper, more varied distributions
   dparams = eagle3.init_params(dcfg, seed + 1, params, pcfg)
@@ -60,13 +77,15 @@ def test_ttt_branches_equal_autoregressive_drafting():
   feats = eagle3.fuse(dparams, taps.layers, dcfg)
   for t in (0, 3, 5):
     cache = eagle3.init_cache(dcfg, 1, 32)
-    lg, h, cache = eagle3.step(dparams, dcfg, params["embed"], cache, feats[:, :t + 1],
-                               tokens[:, 1:t + 2])
+    lg, h, cache = eagle3.step(
+      dparams, dcfg, params["embed"], cache, feats[:, : t + 1], tokens[:, 1 : t + 2]
+    )
     np.testing.assert_allclose(lg[0, t], logits[0, 0, t], atol=2e-5)
-    h = h[:, t:t + 1]
+    h = h[:, t : t + 1]
     for k in range(1, 4):
-      lg, h, cache = eagle3.step(dparams, dcfg, params["embed"], cache, h,
-                                 tokens[:, t + 1 + k:t + 2 + k])
+      lg, h, cache = eagle3.step(
+        dparams, dcfg, params["embed"], cache, h, tokens[:, t + 1 + k : t + 2 + k]
+      )
       np.testing.assert_allclose(lg[0, 0], logits[k, 0, t], atol=2e-5)
 
 
@@ -75,12 +94,18 @@ def test_ttt_loss_decreases_and_ignores_policy_gradient():
 
   pcfg, dcfg, params, dparams = small_models()
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 3, 16)
-  batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(12), (2, 12)),
-           "segment_ids": jnp.ones((2, 12), jnp.int32), "loss_mask": jnp.ones((2, 12))}
+  batch = {
+    "tokens": tokens,
+    "positions": jnp.broadcast_to(jnp.arange(12), (2, 12)),
+    "segment_ids": jnp.ones((2, 12), jnp.int32),
+    "loss_mask": jnp.ones((2, 12)),
+  }
   g_policy = jax.grad(lambda p: draft_lib.draft_loss_on_batch(dparams, p, pcfg, dcfg, batch)[0])(
-    params)
+    params
+  )
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g_policy))
   import optax
+
   tx = optax.adam(3e-3)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
   f = jax.jit(lambda s: draft_lib.draft_train_step(s, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx))
@@ -115,8 +140,12 @@ def _chi2_per_position(sampler, V=6, G=3, B=120_000, seed=0):
   p, q = _tables(V, G, seed)
   k1, k2 = jax.random.split(jax.random.key(seed))
   x = jax.random.categorical(k1, jnp.log(jnp.asarray(q, jnp.float32)), shape=(B, G))
-  toks, n = jax.jit(sampler)(k2, x, jnp.broadcast_to(jnp.asarray(q, jnp.float32), (B, G, V)),
-                             jnp.broadcast_to(jnp.asarray(p, jnp.float32), (B, G + 1, V)))
+  toks, n = jax.jit(sampler)(
+    k2,
+    x,
+    jnp.broadcast_to(jnp.asarray(q, jnp.float32), (B, G, V)),
+    jnp.broadcast_to(jnp.asarray(p, jnp.float32), (B, G + 1, V)),
+  )
   toks, n = np.asarray(toks), np.asarray(n)
   pvals = []
   for i in range(G + 1):
@@ -141,14 +170,15 @@ def test_rejection_sample_output_format():
   V, G, B = 5, 4, 64
   p, q = _tables(V, G, 1)
   x = jax.random.categorical(jax.random.key(0), jnp.log(jnp.asarray(q)), shape=(B, G))
-  toks, n = rejection.rejection_sample(jax.random.key(1), x, jnp.broadcast_to(q, (B, G, V)),
-                                       jnp.broadcast_to(p, (B, G + 1, V)))
+  toks, n = rejection.rejection_sample(
+    jax.random.key(1), x, jnp.broadcast_to(q, (B, G, V)), jnp.broadcast_to(p, (B, G + 1, V))
+  )
   toks, n, x = np.asarray(toks), np.asarray(n), np.asarray(x)
   assert toks.dtype == np.int32 and toks.shape == (B, G + 1)
   for b in range(B):
-    np.testing.assert_array_equal(toks[b, :n[b]], x[b, :n[b]])
+    np.testing.assert_array_equal(toks[b, : n[b]], x[b, : n[b]])
     assert 0 <= toks[b, n[b]] < V
-    assert np.all(toks[b, n[b] + 1:] == -1)
+    assert np.all(toks[b, n[b] + 1 :] == -1)
 
 
 def test_deterministic_draft_is_greedy_exact():
@@ -157,14 +187,15 @@ def test_deterministic_draft_is_greedy_exact():
   rng = np.random.default_rng(0)
   target = rng.integers(0, V, (B, G + 1))
   draft = np.where(rng.random((B, G)) < 0.6, target[:, :G], (target[:, :G] + 1) % V)
-  toks, n = rejection.rejection_sample(jax.random.key(0), jnp.asarray(draft, jnp.int32), None,
-                                       jax.nn.one_hot(target, V))
+  toks, n = rejection.rejection_sample(
+    jax.random.key(0), jnp.asarray(draft, jnp.int32), None, jax.nn.one_hot(target, V)
+  )
   for b in range(B):
     m = 0
     while m < G and draft[b, m] == target[b, m]:
       m += 1
     assert int(n[b]) == m
-    np.testing.assert_array_equal(np.asarray(toks[b, :m + 1]), target[b, :m + 1])
+    np.testing.assert_array_equal(np.asarray(toks[b, : m + 1]), target[b, : m + 1])
 
 
 def _table(prefix, V, salt):
@@ -181,6 +212,7 @@ def test_exact_enumeration_of_sd_output_distribution(deterministic):
   q_of = lambda s: np.eye(V)[int(np.argmax(_table(s, V, 2)))] if deterministic else _table(s, V, 2)
 
   with jax.enable_x64(True):
+
     def round_outcomes(s):
       """[(emitted tuple, prob)] of one SD round from prefix s."""
       out = []
@@ -190,8 +222,11 @@ def test_exact_enumeration_of_sd_output_distribution(deterministic):
         if px == 0:
           continue
         ps = np.stack([p_of(s + x[:i]) for i in range(G + 1)])
-        args = (jnp.asarray([x], jnp.int32), None if deterministic else jnp.asarray([qs]),
-                jnp.asarray([ps]))
+        args = (
+          jnp.asarray([x], jnp.int32),
+          None if deterministic else jnp.asarray([qs]),
+          jnp.asarray([ps]),
+        )
         alpha = np.asarray(rejection.acceptance_probs(*args))[0]
         final = np.asarray(rejection.final_distributions(*args))[0]
         assert alpha.dtype == np.float64
@@ -231,11 +266,20 @@ def test_sd_logprobs_match_recompute_and_format():
   pcfg, dcfg, params, dparams = small_models(V=16)
   prompts = jnp.array([[1, 5, 6, 7], [1, 8, 0, 0], [1, 9, 10, 0]], jnp.int32)
   lengths = jnp.array([4, 2, 3], jnp.int32)
-  gen = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(3),
-                             max_new_tokens=9, temperature=1.0, num_draft=3)
+  gen = speculative.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts,
+    lengths,
+    jax.random.key(3),
+    max_new_tokens=9,
+    temperature=1.0,
+    num_draft=3,
+  )
   batch = join_prompt_completion(prompts, lengths, gen)
-  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"],
-                          batch["segment_ids"])
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
   lp = jax.nn.log_softmax(logits, -1)
   for b in range(3):
     n, P = int(gen.lengths[b]), int(lengths[b])
@@ -243,7 +287,9 @@ def test_sd_logprobs_match_recompute_and_format():
     for i in range(n):
       tok = int(gen.tokens[b, i])
       np.testing.assert_allclose(gen.logprobs[b, i], lp[b, P + i - 1, tok], atol=1e-5)
-    assert np.all(np.asarray(gen.tokens[b, n:]) == 0) and np.all(np.asarray(gen.logprobs[b, n:]) == 0)
+    assert np.all(np.asarray(gen.tokens[b, n:]) == 0) and np.all(
+      np.asarray(gen.logprobs[b, n:]) == 0
+    )
   st = jax.device_get(gen.stats)
   assert st["row_rounds"] > 0 and np.all(st["accept_counts"] <= st["reach_counts"])
 
@@ -266,28 +312,58 @@ def _two_sample_pvalue(a, b, min_expected=5):
 @pytest.fixture(scope="module")
 def two_sample_setup():
   V = 6
-  pcfg = pol.PolicyConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1,
-                          head_dim=16, d_ff=64, init_std=0.3, tie_embeddings=False)
-  dcfg = eagle3.DraftConfig(d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2,
-                            n_kv_heads=1, head_dim=16, d_ff=64, ttt_steps=2, init_std=0.3)
+  pcfg = pol.PolicyConfig(
+    vocab_size=V,
+    d_model=32,
+    n_layers=4,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    init_std=0.3,
+    tie_embeddings=False,
+  )
+  dcfg = eagle3.DraftConfig(
+    d_model=32,
+    vocab_size=V,
+    n_taps=len(pcfg.taps),
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    ttt_steps=2,
+    init_std=0.3,
+  )
   params = pol.init_params(pcfg, 4)
   # A spread-out policy and a draft that is related to it but clearly different.
   params["head"] = jax.random.normal(jax.random.key(9), params["head"].shape) * 0.3
   dparams = eagle3.init_params(dcfg, 5, params, pcfg)
-  dparams["head"] = params["head"] + 0.3 * jax.random.normal(jax.random.key(10),
-                                                              params["head"].shape)
+  dparams["head"] = params["head"] + 0.3 * jax.random.normal(
+    jax.random.key(10), params["head"].shape
+  )
   B = 30_000
   prompts = jnp.broadcast_to(jnp.array([1, 4, 5], jnp.int32), (B, 3))
   lengths = jnp.full((B,), 3, jnp.int32)
-  ar = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(0),
-                               max_new_tokens=3, temperature=1.0)
+  ar = autoregressive.generate(
+    params, pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=3, temperature=1.0
+  )
   return pcfg, dcfg, params, dparams, prompts, lengths, ar
 
 
 def test_sd_and_ar_sample_the_same_distribution(two_sample_setup):
   pcfg, dcfg, params, dparams, prompts, lengths, ar = two_sample_setup
-  sd = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(1),
-                            max_new_tokens=3, temperature=1.0, num_draft=2)
+  sd = speculative.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts,
+    lengths,
+    jax.random.key(1),
+    max_new_tokens=3,
+    temperature=1.0,
+    num_draft=2,
+  )
   st = jax.device_get(sd.stats)
   rate = st["accept_counts"][0] / st["reach_counts"][0]
   assert 0.1 < rate < 0.95  # both acceptances and rejections are exercised
@@ -296,7 +372,17 @@ def test_sd_and_ar_sample_the_same_distribution(two_sample_setup):
 
 def test_two_sample_test_has_power_against_a_broken_sampler(two_sample_setup):
   pcfg, dcfg, params, dparams, prompts, lengths, ar = two_sample_setup
-  bad = speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(1),
-                             max_new_tokens=3, temperature=1.0, num_draft=2,
-                             sampler=broken_rejection_sample)
+  bad = speculative.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts,
+    lengths,
+    jax.random.key(1),
+    max_new_tokens=3,
+    temperature=1.0,
+    num_draft=2,
+    sampler=broken_rejection_sample,
+  )
   assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6

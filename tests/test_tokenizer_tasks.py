@@ -41,8 +41,13 @@ def test_arithmetic_reward():
   assert t.reward(ex, "") == 0.0
 
 
-@pytest.mark.parametrize("task", [Arithmetic(min_digits=2, max_digits=4, num_operands=3),
-                                  Countdown(num_numbers=4, max_number=30, ops="+-*/")])
+@pytest.mark.parametrize(
+  "task",
+  [
+    Arithmetic(min_digits=2, max_digits=4, num_operands=3),
+    Countdown(num_numbers=4, max_number=30, ops="+-*/"),
+  ],
+)
 def test_generated_examples_are_correct_and_bounded(task):
   rng = np.random.default_rng(0)
   for _ in range(300):

@@ -19,11 +19,15 @@ from specdraft.train import step as step_lib
 def _batch(seed, B=8, S=24, V=99):
   rng = np.random.default_rng(seed)
   seg = np.ones((B, S), np.int32)
-  seg[:, S // 2:] = 2
+  seg[:, S // 2 :] = 2
   seg[:, -3:] = 0
   pos = np.concatenate([np.arange(S // 2), np.arange(S - S // 2)])[None].repeat(B, 0)
-  return {"tokens": rng.integers(3, V, (B, S)).astype(np.int32), "positions": pos.astype(np.int32),
-          "segment_ids": seg, "loss_mask": (rng.random((B, S)) < 0.7).astype(np.float32)}
+  return {
+    "tokens": rng.integers(3, V, (B, S)).astype(np.int32),
+    "positions": pos.astype(np.int32),
+    "segment_ids": seg,
+    "loss_mask": (rng.random((B, S)) < 0.7).astype(np.float32),
+  }
 
 
 def test_next_token_targets_respect_documents():
@@ -49,8 +53,11 @@ def test_sharded_sft_step_equals_single_device(layout):
     state = loop.init_state(cfg, tx, mesh, rules, 0)
     sh = loop.state_shardings(state)
     bsh = mesh_lib.batch_sharding(mesh, rules)
-    f = jax.jit(lambda s, b: step_lib.sft_step(s, b, cfg=cfg, tx=tx), in_shardings=(sh, bsh),
-                out_shardings=(sh, None))
+    f = jax.jit(
+      lambda s, b: step_lib.sft_step(s, b, cfg=cfg, tx=tx),
+      in_shardings=(sh, bsh),
+      out_shardings=(sh, None),
+    )
     for _ in range(2):
       state, m = f(state, jax.device_put(batch, bsh))
     return jax.device_get(state), jax.device_get(m)
@@ -81,15 +88,17 @@ def test_sft_learns_a_fixed_batch():
 
 
 def test_greedy_generate_matches_naive_argmax_loop():
-  cfg = pol.PolicyConfig(vocab_size=99, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                         head_dim=16, d_ff=64)
+  cfg = pol.PolicyConfig(
+    vocab_size=99, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64
+  )
   params = pol.init_params(cfg, 3)
   prompts = np.array([[1, 10, 11, 12, 13], [1, 20, 0, 0, 0], [1, 30, 31, 0, 0]], np.int32)
   lengths = np.array([5, 2, 3], np.int32)
-  gen = autoregressive.generate(params, cfg, prompts, lengths, jax.random.key(0),
-                                max_new_tokens=6, temperature=0.0)
+  gen = autoregressive.generate(
+    params, cfg, prompts, lengths, jax.random.key(0), max_new_tokens=6, temperature=0.0
+  )
   for b in range(3):
-    seq = list(prompts[b, :lengths[b]])
+    seq = list(prompts[b, : lengths[b]])
     for i in range(6):
       logits, _ = pol.forward(params, cfg, jnp.asarray([seq]))
       lp = jax.nn.log_softmax(logits[0, -1])
@@ -98,19 +107,27 @@ def test_greedy_generate_matches_naive_argmax_loop():
       np.testing.assert_allclose(gen.logprobs[b, i], lp[nxt], atol=1e-5)
       seq.append(nxt)
       if nxt == EOS:
-        assert np.all(np.asarray(gen.tokens[b, i + 1:]) == PAD)
+        assert np.all(np.asarray(gen.tokens[b, i + 1 :]) == PAD)
         break
 
 
 def test_generate_stops_rows_at_eos():
-  cfg = pol.PolicyConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1,
-                         head_dim=16, d_ff=32)
+  cfg = pol.PolicyConfig(
+    vocab_size=8, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=16, d_ff=32
+  )
   params = pol.init_params(cfg, 0)
   # Force EOS everywhere through the head bias of a tied embedding: make EOS's row dominant.
   params["embed"] = params["embed"].at[EOS].set(params["embed"][EOS] * 0)
   params["final_norm"] = params["final_norm"] * 0 + 1
-  gen = autoregressive.generate(params, cfg, np.array([[1, 3]], np.int32), np.array([2]),
-                                jax.random.key(1), max_new_tokens=10, temperature=1.0)
+  gen = autoregressive.generate(
+    params,
+    cfg,
+    np.array([[1, 3]], np.int32),
+    np.array([2]),
+    jax.random.key(1),
+    max_new_tokens=10,
+    temperature=1.0,
+  )
   n = int(gen.lengths[0])
   assert n <= 10
   if n < 10:
@@ -129,8 +146,15 @@ def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
   full = str(tmp_path / "full")
   summary = loop.train_and_evaluate(c, full)
   assert summary["sft_steps"] == c.sft.steps
-  for f in ("sft_metrics.jsonl", "eval.jsonl", "draft_metrics.jsonl", "summary.json",
-            "plots/sft_loss.png", "plots/eval_accuracy.png", "plots/draft_ttt_acc.png"):
+  for f in (
+    "sft_metrics.jsonl",
+    "eval.jsonl",
+    "draft_metrics.jsonl",
+    "summary.json",
+    "plots/sft_loss.png",
+    "plots/eval_accuracy.png",
+    "plots/draft_ttt_acc.png",
+  ):
     assert os.path.exists(os.path.join(full, f)), f
   # Interrupted after the first checkpoint (step 6), then resumed: same SFT metrics afterwards.
   # (Later phases do not touch the SFT metrics; they are skipped to keep the test short.)
@@ -139,7 +163,10 @@ def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
   loop.train_and_evaluate(c, part, stop_after=("sft", 8))
   assert [r["step"] for r in _read(os.path.join(part, "sft_metrics.jsonl"))] == [4, 8]
   loop.train_and_evaluate(c, part)
-  a, b = _read(os.path.join(full, "sft_metrics.jsonl")), _read(os.path.join(part, "sft_metrics.jsonl"))
+  a, b = (
+    _read(os.path.join(full, "sft_metrics.jsonl")),
+    _read(os.path.join(part, "sft_metrics.jsonl")),
+  )
   assert [r["step"] for r in a] == [r["step"] for r in b] == [4, 8, 12]
   for ra, rb in zip(a, b):
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6)

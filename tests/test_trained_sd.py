@@ -31,11 +31,22 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
   exs = ctx.eval_examples[:16]
   prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
   assert len(set(lengths.tolist())) > 1  # prompts of different lengths
-  ar = autoregressive.generate(params, ctx.pcfg, prompts, lengths, jax.random.key(0),
-                               max_new_tokens=24, temperature=0.0)
+  ar = autoregressive.generate(
+    params, ctx.pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=24, temperature=0.0
+  )
   for G in (1, 3, 5):
-    sd = speculative.generate(params, dparams, ctx.pcfg, ctx.dcfg, prompts, lengths,
-                              jax.random.key(0), max_new_tokens=24, temperature=0.0, num_draft=G)
+    sd = speculative.generate(
+      params,
+      dparams,
+      ctx.pcfg,
+      ctx.dcfg,
+      prompts,
+      lengths,
+      jax.random.key(0),
+      max_new_tokens=24,
+      temperature=0.0,
+      num_draft=G,
+    )
     np.testing.assert_array_equal(np.asarray(sd.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(sd.lengths), np.asarray(ar.lengths))
     np.testing.assert_allclose(sd.logprobs, ar.logprobs, atol=1e-5)
@@ -48,8 +59,18 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
 def test_distilled_draft_accepts_at_temperature_one(trained):
   ctx, params, dparams = trained
   prompts, lengths = loader.prompt_batch(ctx.eval_examples[:16], ctx.tok, ctx.prompt_len)
-  sd = speculative.generate(params, dparams, ctx.pcfg, ctx.dcfg, prompts, lengths,
-                            jax.random.key(1), max_new_tokens=24, temperature=1.0, num_draft=4)
+  sd = speculative.generate(
+    params,
+    dparams,
+    ctx.pcfg,
+    ctx.dcfg,
+    prompts,
+    lengths,
+    jax.random.key(1),
+    max_new_tokens=24,
+    temperature=1.0,
+    num_draft=4,
+  )
   st = jax.device_get(sd.stats)
   tau = st["tau_sum"] / st["row_rounds"]
   assert tau > 1.5, st

@@ -25,14 +25,16 @@ def check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch):
   W = q_br.shape[2]
   want = (B, S, W, K, D)
   if k_br.shape != want or v_br.shape != want:
-    raise ValueError(f"k_br and v_br must be [B,S,W,K,D]={want}, got k_br{k_br.shape} "
-                     f"v_br{v_br.shape}")
+    raise ValueError(
+      f"k_br and v_br must be [B,S,W,K,D]={want}, got k_br{k_br.shape} v_br{v_br.shape}"
+    )
   if segment_ids.shape != (B, S):
     raise ValueError(f"segment_ids must be [B,S]=[{B},{S}], got {segment_ids.shape}")
 
 
-def branch_attention(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="dense", mesh=None,
-                     cp_axis="cp"):
+def branch_attention(
+  q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="dense", mesh=None, cp_axis="cp"
+):
   """Trunk + branch attention (DESIGN.md "Branch attention").
 
   Args (natural token order): q [B,S,H,D]; k, v [B,S,K,D]; q_br [B,S,W,H,D];
@@ -47,18 +49,34 @@ def branch_attention(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="de
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not available; expected one of {IMPLS}")
   if impl in ("ring", "allgather"):
-    return context_parallel(q, k, v, q_br, k_br, v_br, segment_ids, branch=branch, impl=impl,
-                            mesh=mesh, cp_axis=cp_axis)
+    return context_parallel(
+      q, k, v, q_br, k_br, v_br, segment_ids, branch=branch, impl=impl, mesh=mesh, cp_axis=cp_axis
+    )
   if q_br.shape[2] == 0:  # no branch entries: trunk only
     out = reference.causal_attention(q, k, v, segment_ids)
     return out, q_br
-  out, out_br, _, _ = reference.branch_attention_dense(q, k, v, q_br, k_br, v_br, segment_ids,
-                                                       branch=branch)
+  out, out_br, _, _ = reference.branch_attention_dense(
+    q, k, v, q_br, k_br, v_br, segment_ids, branch=branch
+  )
   return out.astype(q.dtype), out_br.astype(q_br.dtype)
 
 
-def context_parallel(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl, mesh, cp_axis="cp",
-                     tile=512, custom_grad=True):
+def context_parallel(
+  q,
+  k,
+  v,
+  q_br,
+  k_br,
+  v_br,
+  segment_ids,
+  *,
+  branch,
+  impl,
+  mesh,
+  cp_axis="cp",
+  tile=512,
+  custom_grad=True,
+):
   """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
   rows out in zigzag order once, runs the per-shard program under shard_map over `cp_axis`, and
   undoes the layout. The model path calls the per-shard functions directly instead."""
@@ -83,8 +101,13 @@ def context_parallel(q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl, me
   if impl == "ring":
     kw["custom_grad"] = custom_grad
   spec = P(None, cp_axis)  # every per-token array is sharded on its sequence axis
-  fn = jax.shard_map(lambda *a: body(*a, **kw), mesh=mesh, in_specs=(spec,) * 8,
-                     out_specs=(spec, spec), check_vma=False)
+  fn = jax.shard_map(
+    lambda *a: body(*a, **kw),
+    mesh=mesh,
+    in_specs=(spec,) * 8,
+    out_specs=(spec, spec),
+    check_vma=False,
+  )
   out, out_br = fn(*args)
   unlay = lambda x: zigzag.from_zigzag(x, cp)[:, :S]
   return unlay(out), unlay(out_br)

@@ -48,13 +48,13 @@ def _tile(n: int, want: int) -> int:
 def _split(x, n_tiles, axis=1):
   """[B, N, ...] -> [n_tiles, B, N / n_tiles, ...]."""
   shape = x.shape
-  x = x.reshape(shape[:axis] + (n_tiles, shape[axis] // n_tiles) + shape[axis + 1:])
+  x = x.reshape(shape[:axis] + (n_tiles, shape[axis] // n_tiles) + shape[axis + 1 :])
   return jnp.moveaxis(x, axis, 0)
 
 
 def _merge_tiles(x, axis=1):
   x = jnp.moveaxis(x, 0, axis)
-  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
 def _scores(q, k, scale):
@@ -96,13 +96,19 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
       acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vt)
       return (m_new, l, acc), None
 
-    init = (jnp.full((B, K, G, tq), _MASKED, jnp.float32), jnp.zeros((B, K, G, tq), jnp.float32),
-            jnp.zeros((B, K, G, tq, D), jnp.float32))
+    init = (
+      jnp.full((B, K, G, tq), _MASKED, jnp.float32),
+      jnp.zeros((B, K, G, tq), jnp.float32),
+      jnp.zeros((B, K, G, tq, D), jnp.float32),
+    )
     nk = S // tk
     # Rematerialised under autodiff (the all-gather path): the backward keeps per-step carries,
     # never a tile's probabilities, so memory stays O(tile) rather than O(T * S).
     (m, l, acc), _ = jax.lax.scan(
-      jax.checkpoint(k_step), init, (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+      jax.checkpoint(k_step),
+      init,
+      (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)),
+    )
     ok = l > 0
     safe = jnp.where(ok, l, 1.0)
     out = jnp.moveaxis(acc / safe[..., None], 3, 1)  # [B,tq,K,G,D]
@@ -111,13 +117,26 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
 
   strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
   nq = T // tq
-  outs, lses = jax.lax.map(jax.checkpoint(q_tile), (_split(q, nq), _split(qr.pos, nq), _split(qr.seg, nq),
-                                    _split(strict, nq)))
+  outs, lses = jax.lax.map(
+    jax.checkpoint(q_tile),
+    (_split(q, nq), _split(qr.pos, nq), _split(qr.seg, nq), _split(strict, nq)),
+  )
   return _merge_tiles(outs), _merge_tiles(lses, axis=2)
 
 
-def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_BHT, *,
-            tile_q: int = 512, tile_k: int = 512):
+def blk_bwd(
+  q_BTHD,
+  k_BSKD,
+  v_BSKD,
+  qr: Rows,
+  kr: Rows,
+  do_BTHD,
+  lse_BHT,
+  delta_BHT,
+  *,
+  tile_q: int = 512,
+  tile_k: int = 512,
+):
   """Gradients of one block given the FINAL (merged) lse and delta = rowsum(dO * O).
 
   Every block's backward is local: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - delta).
@@ -137,9 +156,16 @@ def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_
   tq, tk = _tile(T, tile_q), _tile(S, tile_k)
   nq, nk = T // tq, S // tk
   strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
-  q_tiles = (_split(q, nq), _split(do, nq), _split(jnp.moveaxis(lse, 3, 1), nq),
-             _split(jnp.moveaxis(delta, 3, 1), nq), _split(jnp.moveaxis(finite, 3, 1), nq),
-             _split(qr.pos, nq), _split(qr.seg, nq), _split(strict, nq))
+  q_tiles = (
+    _split(q, nq),
+    _split(do, nq),
+    _split(jnp.moveaxis(lse, 3, 1), nq),
+    _split(jnp.moveaxis(delta, 3, 1), nq),
+    _split(jnp.moveaxis(finite, 3, 1), nq),
+    _split(qr.pos, nq),
+    _split(qr.seg, nq),
+    _split(strict, nq),
+  )
 
   def k_tile(dq_acc, kargs):
     kt, vt, kpos, kseg = kargs
@@ -166,8 +192,10 @@ def blk_bwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, do_BTHD, lse_BHT, delta_
     return dq_acc + _merge_tiles(dq_tiles), (dk, dv)
 
   dq, (dk_t, dv_t) = jax.lax.scan(
-    k_tile, jnp.zeros((B, T, K, G, D), jnp.float32),
-    (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)))
+    k_tile,
+    jnp.zeros((B, T, K, G, D), jnp.float32),
+    (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)),
+  )
   return dq.reshape(B, T, H, D), _merge_tiles(dk_t), _merge_tiles(dv_t)
 
 
@@ -221,8 +249,9 @@ def branch_local_bwd(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch, do_BSWHD, lse_BH
   finite = jnp.isfinite(lse)
   mask = _branch_mask(seg_BS, W, branch) & finite[..., None]
   s = jnp.einsum("btjkgd,btikd->bkgtji", q, k) * scale
-  p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - jnp.where(finite, lse, 0.0)[..., None]),
-                0.0)
+  p = jnp.where(
+    mask, jnp.exp(jnp.where(mask, s, 0.0) - jnp.where(finite, lse, 0.0)[..., None]), 0.0
+  )
   dv = jnp.einsum("bkgtji,btjkgd->btikd", p, do)
   dp = jnp.einsum("btjkgd,btikd->bkgtji", do, v)
   ds = p * (dp - delta[..., None])

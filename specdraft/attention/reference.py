@@ -70,8 +70,9 @@ def causal_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions_BS=None):
   return out.astype(q_BSHD.dtype)
 
 
-def branch_attention_dense(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, *,
-                           branch):
+def branch_attention_dense(
+  q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, *, branch
+):
   """Trunk + branch attention exactly as DESIGN.md "Branch attention"; float32 outputs.
 
   Trunk query t sees trunk keys s <= t. Branch query (t, j) sees trunk keys s <= t ("ttt") or
@@ -89,7 +90,8 @@ def branch_attention_dense(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, se
   seg = segment_ids_BS
   pos = jnp.arange(S)
   out, lse = masked_attention(
-    q_BSHD, k_BSKD, v_BSKD, causal_mask(pos[None].repeat(B, 0), pos[None].repeat(B, 0), seg, seg))
+    q_BSHD, k_BSKD, v_BSKD, causal_mask(pos[None].repeat(B, 0), pos[None].repeat(B, 0), seg, seg)
+  )
 
   # Branch queries: keys are [S trunk keys ; W own-branch keys], softmax over both jointly.
   same_doc_TS = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
@@ -109,7 +111,8 @@ def branch_attention_dense(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, se
   s_br = jnp.einsum("btwkgd,btikd->bkgtwi", qb, k_BSWKD.astype(jnp.float32))
   s = jnp.concatenate([s_trunk, s_br], axis=-1) * scale
   p, lse_br = masked_softmax(s, mask_BTWX[:, None, None])
-  out_br = (jnp.einsum("bkgtws,bskd->btwkgd", p[..., :S], v_BSKD.astype(jnp.float32))
-            + jnp.einsum("bkgtwi,btikd->btwkgd", p[..., S:], v_BSWKD.astype(jnp.float32)))
+  out_br = jnp.einsum("bkgtws,bskd->btwkgd", p[..., :S], v_BSKD.astype(jnp.float32)) + jnp.einsum(
+    "bkgtwi,btikd->btwkgd", p[..., S:], v_BSWKD.astype(jnp.float32)
+  )
   out_br = out_br.reshape(B, S, W, H, D)
   return out, out_br, lse, lse_br.reshape(B, H, S, W)

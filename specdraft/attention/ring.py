@@ -33,8 +33,11 @@ def _query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch):
   R = 1 + W
   q = jnp.concatenate([q_BLHD[:, :, None], q_BLWHD.astype(q_BLHD.dtype)], axis=2)
   strict = jnp.asarray([0] + [int(branch == "block")] * W, jnp.int32)
-  rows = bw.Rows(jnp.repeat(pos_BL, R, axis=1), jnp.repeat(seg_BL, R, axis=1),
-                 jnp.broadcast_to(jnp.tile(strict, L), (B, L * R)))
+  rows = bw.Rows(
+    jnp.repeat(pos_BL, R, axis=1),
+    jnp.repeat(seg_BL, R, axis=1),
+    jnp.broadcast_to(jnp.tile(strict, L), (B, L * R)),
+  )
   return q.reshape(B, L * R, H, D), rows
 
 
@@ -53,8 +56,10 @@ def _dyn_rows(rows: bw.Rows, start, size):
 def _halves(kv, c):
   """Split local (k, v, rows) into its two zigzag chunks."""
   k, v, kr = kv
-  return ((k[:, :c], v[:, :c], _take(kr, slice(0, c))),
-          (k[:, c:], v[:, c:], _take(kr, slice(c, None))))
+  return (
+    (k[:, :c], v[:, :c], _take(kr, slice(0, c))),
+    (k[:, c:], v[:, c:], _take(kr, slice(c, None))),
+  )
 
 
 def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile):
@@ -62,7 +67,7 @@ def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
   W = q_br.shape[2]
   R, c = 1 + W, L // 2
   qa, qrows = _query_rows(q, q_br, pos, seg, branch)
-  q1, q2 = qa[:, :c * R], qa[:, c * R:]
+  q1, q2 = qa[:, : c * R], qa[:, c * R :]
   r1, r2 = _take(qrows, slice(0, c * R)), _take(qrows, slice(c * R, None))
   blk = functools.partial(bw.blk, tile_q=tile, tile_k=tile)
   kv = (k, v, bw.Rows(pos, seg))
@@ -87,8 +92,9 @@ def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
     early = (rank - i) % cp < rank  # the source rank precedes this one
     off_q = jnp.where(early, 0, n1)  # local chunk that meets incoming chunk 1
     off_k = jnp.where(early, 0, c)  # incoming chunk that local chunk 2 meets (besides chunk 1)
-    p1 = blk(_dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1),
-             _take(kr, slice(0, c)))
+    p1 = blk(
+      _dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1), _take(kr, slice(0, c))
+    )
     p2 = blk(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c))
     m = bw.merge(_dyn(out_acc, off_q, n1), _dyn(lse_acc, off_q, n1, axis=2), *p1)
     out_acc = jax.lax.dynamic_update_slice_in_dim(out_acc, m[0], off_q, axis=1)
@@ -103,15 +109,20 @@ def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
   if W:
     o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
     # merge expects [B,T,H,D] / [B,H,T]: flatten (L, W) into T
-    o_br, l_br = bw.merge(out[:, :, 1:].reshape(B, L * W, H, D), lse[..., 1:].reshape(B, H, L * W),
-                          o_bl.reshape(B, L * W, H, D), l_bl.reshape(B, H, L * W))
+    o_br, l_br = bw.merge(
+      out[:, :, 1:].reshape(B, L * W, H, D),
+      lse[..., 1:].reshape(B, H, L * W),
+      o_bl.reshape(B, L * W, H, D),
+      l_bl.reshape(B, H, L * W),
+    )
     out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
     lse = jnp.concatenate([lse[..., :1], l_br.reshape(B, H, L, W)], axis=-1)
   return out, lse
 
 
-def ring_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
-                         tile=512, custom_grad=True):
+def ring_attention_shard(
+  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile=512, custom_grad=True
+):
   """Per-device zigzag ring trunk + local branch attention (call inside shard_map).
 
   Local arrays in zigzag layout: q [B,L,H,D], k/v [B,L,K,D], q_br [B,L,W,H,D], k_br/v_br
@@ -127,8 +138,9 @@ def ring_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_na
 
 
 def _ring_plain(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
-  return _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name,
-                       cp=cp, tile=tile)[0]
+  return _ring_forward(
+    q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name, cp=cp, tile=tile
+  )[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
@@ -137,8 +149,9 @@ def _ring_vjp(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
 
 
 def _ring_vjp_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
-  out, lse = _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, branch=branch,
-                           axis_name=axis_name, cp=cp, tile=tile)
+  out, lse = _ring_forward(
+    q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name, cp=cp, tile=tile
+  )
   return out, (q, k, v, q_br, k_br, v_br, seg, pos, out, lse)
 
 
@@ -185,10 +198,19 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
     early = (rank - i) % cp < rank
     off_q = jnp.where(early, 0, n1)
     off_k = jnp.where(early, 0, c)
-    ga_ = (_dyn(g_all[0], off_q, n1), _dyn(g_all[1], off_q, n1, axis=2),
-           _dyn(g_all[2], off_q, n1, axis=2))
-    a = bwd(_dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1),
-            _take(kr, slice(0, c)), *ga_)
+    ga_ = (
+      _dyn(g_all[0], off_q, n1),
+      _dyn(g_all[1], off_q, n1, axis=2),
+      _dyn(g_all[2], off_q, n1, axis=2),
+    )
+    a = bwd(
+      _dyn(qa, off_q, n1),
+      k_[:, :c],
+      v_[:, :c],
+      _dyn_rows(qrows, off_q, n1),
+      _take(kr, slice(0, c)),
+      *ga_,
+    )
     b = bwd(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c), *g2)
     upd = lambda x, d, off, n: jax.lax.dynamic_update_slice_in_dim(x, _dyn(x, off, n) + d, off, 1)
     dq = upd(dq, a[0], off_q, n1).at[:, n1:].add(b[0])
@@ -204,22 +226,32 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
   dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
   dk_br = dv_br = None
   if W:
-    g_bl = bw.branch_local_bwd(q_br, k_br, v_br, seg, branch, dout[:, :, 1:],
-                               lse[..., 1:], delta[..., 1:])
+    g_bl = bw.branch_local_bwd(
+      q_br, k_br, v_br, seg, branch, dout[:, :, 1:], lse[..., 1:], delta[..., 1:]
+    )
     dq_br = dq_br + g_bl[0]
     dk_br, dv_br = g_bl[1], g_bl[2]
   else:
     dk_br, dv_br = jnp.zeros_like(k_br, jnp.float32), jnp.zeros_like(v_br, jnp.float32)
   cast = lambda g, x: g.astype(x.dtype)
-  return (cast(dq, q), cast(dkv[0], k), cast(dkv[1], v), cast(dq_br, q_br), cast(dk_br, k_br),
-          cast(dv_br, v_br), None, None)
+  return (
+    cast(dq, q),
+    cast(dkv[0], k),
+    cast(dkv[1], v),
+    cast(dq_br, q_br),
+    cast(dk_br, k_br),
+    cast(dv_br, v_br),
+    None,
+    None,
+  )
 
 
 _ring_vjp.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
-def allgather_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp,
-                              tile=512):
+def allgather_attention_shard(
+  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile=512
+):
   """Baseline: gather the trunk K/V once, attend locally (autodiff backward)."""
   B, L, H, D = q.shape
   W = q_br.shape[2]
@@ -235,7 +267,11 @@ def allgather_attention_shard(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, ax
   lse = lse.reshape(B, H, L, R)
   if W:
     o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
-    o_br, _ = bw.merge(out[:, :, 1:].reshape(B, L * W, H, D), lse[..., 1:].reshape(B, H, L * W),
-                       o_bl.reshape(B, L * W, H, D), l_bl.reshape(B, H, L * W))
+    o_br, _ = bw.merge(
+      out[:, :, 1:].reshape(B, L * W, H, D),
+      lse[..., 1:].reshape(B, H, L * W),
+      o_bl.reshape(B, L * W, H, D),
+      l_bl.reshape(B, H, L * W),
+    )
     out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
   return out[:, :, 0].astype(q.dtype), out[:, :, 1:].astype(q_br.dtype)

@@ -10,8 +10,11 @@ import numpy as np
 
 from specdraft.train import loop
 
-ARM_NAMES = {"none": "A: AR rollouts", "fixed": "B: SD, fixed draft",
-             "cotrained": "C: SD, co-trained draft"}
+ARM_NAMES = {
+  "none": "A: AR rollouts",
+  "fixed": "B: SD, fixed draft",
+  "cotrained": "C: SD, co-trained draft",
+}
 
 
 def run(config, workdir: str) -> dict:
@@ -32,8 +35,10 @@ def run(config, workdir: str) -> dict:
       ctx = loop.Context(c, os.path.join(workdir, f"{arm}_seed{seed}"))
       loop.rl_phase(ctx, params, dparams)
       runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
-      print(f"{ARM_NAMES[arm]}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
-            flush=True)
+      print(
+        f"{ARM_NAMES[arm]}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
+        flush=True,
+      )
   summary = summarise(runs, config)
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -53,14 +58,21 @@ def summarise(runs, config) -> dict:
   for arm in config.drift.arms:
     rew = _curve(runs, arm, "reward_mean", seeds)
     tau = _curve(runs, arm, "accept_len", seeds)
-    share = np.array([[r["format_share"].get(config.task.arithmetic.reward_format, 0.0)
-                       for r in runs[(arm, s)]] for s in range(seeds)])
-    a = {"reward_first": float(rew[:, :k].mean()), "reward_last": float(rew[:, -k:].mean()),
-         "reward_last_seed_std": float(rew[:, -k:].mean(1).std()),
-         "rewarded_format_share_first": float(share[:, :k].mean()),
-         "rewarded_format_share_last": float(share[:, -k:].mean()),
-         "entropy_first": float(_curve(runs, arm, "entropy", seeds)[:, :k].mean()),
-         "entropy_last": float(_curve(runs, arm, "entropy", seeds)[:, -k:].mean())}
+    share = np.array(
+      [
+        [r["format_share"].get(config.task.arithmetic.reward_format, 0.0) for r in runs[(arm, s)]]
+        for s in range(seeds)
+      ]
+    )
+    a = {
+      "reward_first": float(rew[:, :k].mean()),
+      "reward_last": float(rew[:, -k:].mean()),
+      "reward_last_seed_std": float(rew[:, -k:].mean(1).std()),
+      "rewarded_format_share_first": float(share[:, :k].mean()),
+      "rewarded_format_share_last": float(share[:, -k:].mean()),
+      "entropy_first": float(_curve(runs, arm, "entropy", seeds)[:, :k].mean()),
+      "entropy_last": float(_curve(runs, arm, "entropy", seeds)[:, -k:].mean()),
+    }
     if arm != "none":
       a.update(tau_first=float(tau[:, :k].mean()), tau_last=float(tau[:, -k:].mean()))
       a["tau_last_over_first"] = a["tau_last"] / a["tau_first"]
@@ -74,8 +86,9 @@ def summarise(runs, config) -> dict:
       "cotrained_tau_kept_ge_95pct": arms["cotrained"]["tau_last_over_first"] >= 0.95,
       "fixed_tau_fell_ge_15pct": arms["fixed"]["tau_last_over_first"] <= 0.85,
       "reward_A_vs_C_diff": arms["cotrained"]["reward_last"] - arms["none"]["reward_last"],
-      "reward_seed_noise": max(arms["cotrained"]["reward_last_seed_std"],
-                               arms["none"]["reward_last_seed_std"]),
+      "reward_seed_noise": max(
+        arms["cotrained"]["reward_last_seed_std"], arms["none"]["reward_last_seed_std"]
+      ),
     }
   return out
 
@@ -89,9 +102,10 @@ def plot(runs, config, pdir):
   os.makedirs(pdir, exist_ok=True)
   seeds = config.drift.seeds
   for key, arms, name, ylabel in (
-      ("reward_mean", config.drift.arms, "reward", "mean reward"),
-      ("accept_len", [a for a in config.drift.arms if a != "none"], "tau", "tau (accepted/round)"),
-      ("entropy", config.drift.arms, "entropy", "policy entropy")):
+    ("reward_mean", config.drift.arms, "reward", "mean reward"),
+    ("accept_len", [a for a in config.drift.arms if a != "none"], "tau", "tau (accepted/round)"),
+    ("entropy", config.drift.arms, "entropy", "policy entropy"),
+  ):
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for arm in arms:
       y = _curve(runs, arm, key, seeds)

@@ -12,12 +12,29 @@ import dataclasses
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64|c128)\[([0-9,]*)\]")
-_CALLEES = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)="
-                      r"%?([\w.\-]+)")
+_CALLEES = re.compile(
+  r"\b(body|condition|calls|to_apply|true_computation|false_computation)="
+  r"%?([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -59,8 +76,16 @@ def _computations(hlo: str) -> dict[str, list[str]]:
 
 def collective_permutes(hlo: str) -> list[Permute]:
   comps = _computations(hlo)
-  entry = next((m.group(1) for line in hlo.splitlines() if line.startswith("ENTRY")
-                for m in [_HEADER.match(line)] if m), None)
+  entry = next(
+    (
+      m.group(1)
+      for line in hlo.splitlines()
+      if line.startswith("ENTRY")
+      for m in [_HEADER.match(line)]
+      if m
+    ),
+    None,
+  )
   # How many times each computation runs per program run.
   runs = {name: 0 for name in comps}
   if entry is not None:
@@ -91,16 +116,29 @@ def collective_permutes(hlo: str) -> list[Permute]:
         continue
       lhs, _, rhs = line.partition(" = ")
       pm = _PAIRS.search(line)
-      pairs = tuple(tuple(int(x) for x in p.split(",")) for p in
-                    re.findall(r"\{(\d+,\d+)\}", pm.group(1))) if pm else ()
+      pairs = (
+        tuple(
+          tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
+        )
+        if pm
+        else ()
+      )
       shape_text = rhs.split(" collective-permute", 1)[0]
       nbytes = _shape_bytes(shape_text)
       if "collective-permute-start" in rhs:  # (operand, result, ...) tuple: count the operand
         arrays = _ARRAY.findall(shape_text)
-        nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[:max(len(arrays) // 2, 1)]))
+        nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[: max(len(arrays) // 2, 1)]))
       opn = re.search(r'op_name="([^"]*)"', line)
-      out.append(Permute(lhs.strip().lstrip("%"), comp, pairs, nbytes, max(runs.get(comp, 1), 1),
-                         opn.group(1) if opn else ""))
+      out.append(
+        Permute(
+          lhs.strip().lstrip("%"),
+          comp,
+          pairs,
+          nbytes,
+          max(runs.get(comp, 1), 1),
+          opn.group(1) if opn else "",
+        )
+      )
   return out
 
 
@@ -108,5 +146,9 @@ def summarize(permutes: list[Permute]) -> dict:
   """Wire bytes by direction: forward ops vs transposed (gradient) ops."""
   fwd = sum(p.wire_bytes for p in permutes if "transpose(" not in p.op_name)
   bwd = sum(p.wire_bytes for p in permutes if "transpose(" in p.op_name)
-  return {"forward_bytes": fwd, "gradient_bytes": bwd, "total_bytes": fwd + bwd,
-          "num_ops": len(permutes)}
+  return {
+    "forward_bytes": fwd,
+    "gradient_bytes": bwd,
+    "total_bytes": fwd + bwd,
+    "num_ops": len(permutes),
+  }

@@ -23,11 +23,14 @@ def synthetic_batch(B: int, S: int, V: int, seed: int = 0):
   lengths = rng.integers(S // 2, S + 1, B)
   seg = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
   mask = (seg * (np.arange(S)[None] >= S // 4)).astype(np.float32)
-  return {"tokens": jnp.asarray(rng.integers(3, V, (B, S)), jnp.int32),
-          "positions": jnp.asarray(np.arange(S)[None] * seg, jnp.int32),
-          "segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask),
-          "logprobs": jnp.asarray(-rng.uniform(0.1, 3.0, (B, S)) * mask, jnp.float32),
-          "advantages": jnp.asarray(rng.normal(size=B), jnp.float32)}
+  return {
+    "tokens": jnp.asarray(rng.integers(3, V, (B, S)), jnp.int32),
+    "positions": jnp.asarray(np.arange(S)[None] * seg, jnp.int32),
+    "segment_ids": jnp.asarray(seg),
+    "loss_mask": jnp.asarray(mask),
+    "logprobs": jnp.asarray(-rng.uniform(0.1, 3.0, (B, S)) * mask, jnp.float32),
+    "advantages": jnp.asarray(rng.normal(size=B), jnp.float32),
+  }
 
 
 def run(config, workdir: str) -> dict:
@@ -47,9 +50,17 @@ def run(config, workdir: str) -> dict:
       tx = step_lib.make_cotrain_optimizer(config.rl, config.draft, train_draft=train_draft)
       tr = {"policy": params, "draft": dparams}
       states[name] = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
-      fns[name] = jax.jit(functools.partial(step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg,
-                                            rl_cfg=config.rl, tx=tx, lam=config.rl.lam,
-                                            train_draft=train_draft))
+      fns[name] = jax.jit(
+        functools.partial(
+          step_lib.cotrain_step,
+          pcfg=pcfg,
+          dcfg=dcfg,
+          rl_cfg=config.rl,
+          tx=tx,
+          lam=config.rl.lam,
+          train_draft=train_draft,
+        )
+      )
       jax.block_until_ready(fns[name](states[name], batch))  # compile + warm-up
     times = {k: [] for k in fns}
     for _ in range(b.repeats):  # interleaved
@@ -58,11 +69,18 @@ def run(config, workdir: str) -> dict:
         jax.block_until_ready(f(states[name], batch))
         times[name].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    row = {"ttt_steps": ttt_steps, "rl_only_s": med["rl_only"], "cotrain_s": med["cotrain"],
-           "ratio": med["cotrain"] / med["rl_only"]}
+    row = {
+      "ttt_steps": ttt_steps,
+      "rl_only_s": med["rl_only"],
+      "cotrain_s": med["cotrain"],
+      "ratio": med["cotrain"] / med["rl_only"],
+    }
     results["rows"].append(row)
-    print(f"ttt_steps={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms vs RL-only "
-          f"{row['rl_only_s'] * 1e3:.1f} ms -> ratio {row['ratio']:.3f}", flush=True)
+    print(
+      f"ttt_steps={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms vs RL-only "
+      f"{row['rl_only_s'] * 1e3:.1f} ms -> ratio {row['ratio']:.3f}",
+      flush=True,
+    )
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   return results

@@ -67,40 +67,69 @@ def correctness(config, case) -> dict:
   theta = tr["policy"]
   plan = TapPlan(tuple(pcfg.taps), pcfg.n_layers, P)
   spec = pipelined.PipelineSpec(microbatches=M, tap_mode="direct")
-  _, taps, sent = jax.jit(lambda th: pipelined.forward(
-    th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh,
-    spec=spec))(theta)
+  _, taps, sent = jax.jit(
+    lambda th: pipelined.forward(
+      th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, spec=spec
+    )
+  )(theta)
   f = jax.jit(lambda t, p, s: pol.forward(theta, pcfg, t, p, s))
   split = lambda x: pipe.split_microbatches(x, M)
-  per = [f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids")))[1].layers
-         for m in range(M)]
+  per = [
+    f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids")))[1].layers
+    for m in range(M)
+  ]
   unpiped = jax.vmap(pipe.merge_microbatches, in_axes=1)(jnp.stack(per))
   recv_eq_unpiped = bool(np.array_equal(taps.layers, unpiped))
   recv_eq_sent = all(
     np.array_equal(pipe.merge_microbatches(sent[s, :, j]), taps.layers[i])
-    for s in range(P) for j, i in enumerate(plan.slots(s)))
+    for s in range(P)
+    for j, i in enumerate(plan.slots(s))
+  )
 
   tx = step_lib.make_cotrain_optimizer(config.rl, config.draft)
   state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
   outs = {}
   for mode in ("direct", "off"):
     sp = pipelined.PipelineSpec(microbatches=M, tap_mode=mode)
-    fn = jax.jit(functools.partial(step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl,
-                                   tx=tx, lam=config.rl.lam, mesh=mesh, pipeline=sp))
+    fn = jax.jit(
+      functools.partial(
+        step_lib.cotrain_step,
+        pcfg=pcfg,
+        dcfg=dcfg,
+        rl_cfg=config.rl,
+        tx=tx,
+        lam=config.rl.lam,
+        mesh=mesh,
+        pipeline=sp,
+      )
+    )
     outs[mode] = fn(state, batch)
   (s_on, m_on), (s_off, m_off) = outs["direct"], outs["off"]
-  same_policy = all(np.array_equal(a, b) for a, b in zip(
-    jax.tree.leaves(s_on["params"]["policy"]), jax.tree.leaves(s_off["params"]["policy"])))
+  same_policy = all(
+    np.array_equal(a, b)
+    for a, b in zip(
+      jax.tree.leaves(s_on["params"]["policy"]), jax.tree.leaves(s_off["params"]["policy"])
+    )
+  )
   same_rl = all(np.array_equal(m_on[k], m_off[k]) for k in ("rl_loss", "entropy") if k in m_on)
   # against the single-device step
-  single = jax.jit(functools.partial(step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg,
-                                     rl_cfg=config.rl, tx=tx, lam=config.rl.lam))(state, batch)
-  rel = max(abs(float(m_on[k]) - float(single[1][k])) / max(abs(float(single[1][k])), 1e-6)
-            for k in ("loss", "draft_loss", "policy_grad_norm", "draft_grad_norm"))
-  return {"taps_bit_exact": recv_eq_unpiped and recv_eq_sent,
-          "receiver_equals_sender": recv_eq_sent, "receiver_equals_unpipelined": recv_eq_unpiped,
-          "outputs_unchanged": same_policy and same_rl,
-          "max_rel_diff_vs_single_device": rel, "case": case}
+  single = jax.jit(
+    functools.partial(
+      step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx, lam=config.rl.lam
+    )
+  )(state, batch)
+  rel = max(
+    abs(float(m_on[k]) - float(single[1][k])) / max(abs(float(single[1][k])), 1e-6)
+    for k in ("loss", "draft_loss", "policy_grad_norm", "draft_grad_norm")
+  )
+  return {
+    "taps_bit_exact": recv_eq_unpiped and recv_eq_sent,
+    "receiver_equals_sender": recv_eq_sent,
+    "receiver_equals_unpipelined": recv_eq_unpiped,
+    "outputs_unchanged": same_policy and same_rl,
+    "max_rel_diff_vs_single_device": rel,
+    "case": case,
+  }
 
 
 def run_case(config, case, repeats: int) -> dict:
@@ -116,18 +145,34 @@ def run_case(config, case, repeats: int) -> dict:
   fns, rows = {}, {}
   for mode, delay in MODES:
     name = mode_name(mode, delay)
-    spec = pipelined.PipelineSpec(microbatches=M, tap_mode=mode, tap_delay=delay,
-                                  remat=case.get("remat", False))
-    fn = jax.jit(functools.partial(step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl,
-                                   tx=tx, lam=config.rl.lam, mesh=mesh, pipeline=spec))
+    spec = pipelined.PipelineSpec(
+      microbatches=M, tap_mode=mode, tap_delay=delay, remat=case.get("remat", False)
+    )
+    fn = jax.jit(
+      functools.partial(
+        step_lib.cotrain_step,
+        pcfg=pcfg,
+        dcfg=dcfg,
+        rl_cfg=config.rl,
+        tx=tx,
+        lam=config.rl.lam,
+        mesh=mesh,
+        pipeline=spec,
+      )
+    )
     t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     perms = hlo_lib.collective_permutes(compiled.as_text())
     jax.block_until_ready(compiled(state, batch))  # warm-up
     fns[name] = compiled
-    rows[name] = {"mode": name, "compile_seconds": compile_s, "peak_bytes": _memory(compiled),
-                  "permute_bytes": hlo_lib.summarize(perms), "times": []}
+    rows[name] = {
+      "mode": name,
+      "compile_seconds": compile_s,
+      "peak_bytes": _memory(compiled),
+      "permute_bytes": hlo_lib.summarize(perms),
+      "times": [],
+    }
   off_total = rows["off"]["permute_bytes"]["total_bytes"]
   for row in rows.values():
     row["tap_wire_bytes"] = row["permute_bytes"]["total_bytes"] - off_total
@@ -141,10 +186,18 @@ def run_case(config, case, repeats: int) -> dict:
   off = rows["off"]["step_seconds"]
   for row in rows.values():
     row["ratio_vs_off"] = row["step_seconds"] / off
-  out = {**case, "layers": pcfg.n_layers, "d_model": pcfg.d_model, "n_taps": len(pcfg.taps),
-         "sources": list(plan.sources), "tapped_bytes": tapped, "main_shift_bytes": off_total,
-         "bubble_fraction": (P - 1) / (M + P - 1),
-         "overhead_ratio": rows["direct"]["step_seconds"] / off, "modes": rows}
+  out = {
+    **case,
+    "layers": pcfg.n_layers,
+    "d_model": pcfg.d_model,
+    "n_taps": len(pcfg.taps),
+    "sources": list(plan.sources),
+    "tapped_bytes": tapped,
+    "main_shift_bytes": off_total,
+    "bubble_fraction": (P - 1) / (M + P - 1),
+    "overhead_ratio": rows["direct"]["step_seconds"] / off,
+    "modes": rows,
+  }
   out["bulk_bytes_equal_tapped"] = rows["bulk"]["tap_wire_bytes"] == tapped
   out["direct_useful_bytes"] = tapped
   out["direct_bubble_bytes"] = rows["direct"]["tap_wire_bytes"] - tapped
@@ -163,11 +216,12 @@ def paired_stats(results) -> dict:
       row[name] = float(np.median(r))
       pooled.setdefault(name, []).extend(r.tolist())
     per_case.append(row)
-  return {"paired_median_by_case": per_case,
-          "pooled_paired_median": {k: float(np.median(v)) for k, v in pooled.items()},
-          "pooled_paired_geomean": {k: float(np.exp(np.mean(np.log(v)))) for k, v in
-                                    pooled.items()},
-          "pooled_rounds": len(pooled.get("off", []))}
+  return {
+    "paired_median_by_case": per_case,
+    "pooled_paired_median": {k: float(np.median(v)) for k, v in pooled.items()},
+    "pooled_paired_geomean": {k: float(np.exp(np.mean(np.log(v)))) for k, v in pooled.items()},
+    "pooled_rounds": len(pooled.get("off", [])),
+  }
 
 
 def _fmt_bytes(n):
@@ -175,9 +229,11 @@ def _fmt_bytes(n):
 
 
 def table(results) -> str:
-  lines = ["| P | M | S | taps | off ms | direct | +delay | bulk | hop | tapped | direct wire "
-           "(bubble) | bulk wire | hop wire | peak direct/off |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| P | M | S | taps | off ms | direct | +delay | bulk | hop | tapped | direct wire "
+    "(bubble) | bulk wire | hop wire | peak direct/off |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in results["cases"]:
     m = r["modes"]
     lines.append(
@@ -187,7 +243,8 @@ def table(results) -> str:
       f"{m['hop']['ratio_vs_off']:.3f} | {_fmt_bytes(r['tapped_bytes'])} | "
       f"{_fmt_bytes(m['direct']['tap_wire_bytes'])} ({_fmt_bytes(r['direct_bubble_bytes'])}) | "
       f"{_fmt_bytes(m['bulk']['tap_wire_bytes'])} | {_fmt_bytes(m['hop']['tap_wire_bytes'])} | "
-      f"{m['direct']['peak_bytes'] / m['off']['peak_bytes']:.3f} |")
+      f"{m['direct']['peak_bytes'] / m['off']['peak_bytes']:.3f} |"
+    )
   return "\n".join(lines)
 
 
@@ -212,10 +269,18 @@ def plot(results, path: str) -> None:
   axes[0].set_title("co-training step time by tap mode (interleaved medians)")
   axes[0].legend(fontsize=7)
   for i, n in enumerate(names):
-    axes[1].bar(x + (i - 1.5) * w, [max(r["modes"][n]["tap_wire_bytes"], 1) for r in cases], w,
-                label=n)
-  axes[1].scatter(x, [r["tapped_bytes"] for r in cases], marker="_", s=400, color="k",
-                  label="tapped bytes", zorder=3)
+    axes[1].bar(
+      x + (i - 1.5) * w, [max(r["modes"][n]["tap_wire_bytes"], 1) for r in cases], w, label=n
+    )
+  axes[1].scatter(
+    x,
+    [r["tapped_bytes"] for r in cases],
+    marker="_",
+    s=400,
+    color="k",
+    label="tapped bytes",
+    zorder=3,
+  )
   axes[1].set_yscale("log")
   axes[1].set_xticks(x, labels, fontsize=7)
   axes[1].set_ylabel("tap bytes on the wire per step (HLO)")
@@ -243,32 +308,51 @@ def run(config, workdir: str) -> dict:
   print("correctness ...", flush=True)
   check = correctness(config, dict(bc.check_case))
   print(json.dumps({k: v for k, v in check.items() if k != "case"}), flush=True)
-  results = {"taps_bit_exact": check["taps_bit_exact"],
-             "outputs_unchanged": check["outputs_unchanged"], "correctness": check,
-             "repeats": bc.repeats, "devices": jax.device_count(),
-             "backend": jax.default_backend(), "cases": []}
+  results = {
+    "taps_bit_exact": check["taps_bit_exact"],
+    "outputs_unchanged": check["outputs_unchanged"],
+    "correctness": check,
+    "repeats": bc.repeats,
+    "devices": jax.device_count(),
+    "backend": jax.default_backend(),
+    "cases": [],
+  }
   for case in bc.cases:
     case = dict(case)
     print(f"case {case} ...", flush=True)
     r = run_case(config, case, bc.repeats)
     results["cases"].append(r)
     m = r["modes"]
-    print("  " + "  ".join(f"{k} {v['step_seconds'] * 1e3:.1f}ms ({v['ratio_vs_off']:.3f})"
-                           for k, v in m.items()), flush=True)
-    print(f"  tapped {r['tapped_bytes']} B; wire: direct {m['direct']['tap_wire_bytes']} "
-          f"bulk {m['bulk']['tap_wire_bytes']} hop {m['hop']['tap_wire_bytes']}", flush=True)
+    print(
+      "  "
+      + "  ".join(
+        f"{k} {v['step_seconds'] * 1e3:.1f}ms ({v['ratio_vs_off']:.3f})" for k, v in m.items()
+      ),
+      flush=True,
+    )
+    print(
+      f"  tapped {r['tapped_bytes']} B; wire: direct {m['direct']['tap_wire_bytes']} "
+      f"bulk {m['bulk']['tap_wire_bytes']} hop {m['hop']['tap_wire_bytes']}",
+      flush=True,
+    )
   cases = results["cases"]
   summarize(results)
   results["bytes_per_step_by_mode"] = {
     f"P{r['pp']}_M{r['microbatches']}_S{r['seq_len']}_N{r['n_taps']}": {
-      "tapped": r["tapped_bytes"], "main_shift": r["main_shift_bytes"],
-      **{k: v["tap_wire_bytes"] for k, v in r["modes"].items()}} for r in cases}
+      "tapped": r["tapped_bytes"],
+      "main_shift": r["main_shift_bytes"],
+      **{k: v["tap_wire_bytes"] for k, v in r["modes"].items()},
+    }
+    for r in cases
+  }
   results["bulk_bytes_equal_tapped"] = all(r["bulk_bytes_equal_tapped"] for r in cases)
   results["goals"] = {
     "overhead_le_1.03": results["overhead_ratio"] <= 1.03,
     "max_case_ratio_of_medians_le_1.03": results["overhead_ratio_max_case"] <= 1.03,
     "bulk_wire_bytes_equal_tapped": results["bulk_bytes_equal_tapped"],
-    "taps_bit_exact": results["taps_bit_exact"], "outputs_unchanged": results["outputs_unchanged"]}
+    "taps_bit_exact": results["taps_bit_exact"],
+    "outputs_unchanged": results["outputs_unchanged"],
+  }
   with open(os.path.join(workdir, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   md = table(results)

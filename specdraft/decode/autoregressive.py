@@ -13,8 +13,16 @@ from specdraft.tasks.tokenizer import EOS, PAD
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature"))
-def generate(params, cfg: pol.PolicyConfig, prompt_BP, prompt_lengths_B, key, *,
-             max_new_tokens: int, temperature: float) -> Generation:
+def generate(
+  params,
+  cfg: pol.PolicyConfig,
+  prompt_BP,
+  prompt_lengths_B,
+  key,
+  *,
+  max_new_tokens: int,
+  temperature: float,
+) -> Generation:
   """Samples up to `max_new_tokens` per row after right-padded prompts; stops rows at EOS.
 
   One policy pass per generated token; the loop ends early once every row has stopped.
@@ -40,8 +48,16 @@ def generate(params, cfg: pol.PolicyConfig, prompt_BP, prompt_lengths_B, key, *,
     logits, _, cache = pol.decode(params, cfg, cache, tok[:, None])
     return step + 1, cache, logits[:, 0], key, done, toks, lps, passes + 1
 
-  init = (jnp.int32(0), cache, last, key, jnp.zeros((B,), bool),
-          jnp.full((B, N), PAD, jnp.int32), jnp.zeros((B, N), jnp.float32), jnp.int32(1))
+  init = (
+    jnp.int32(0),
+    cache,
+    last,
+    key,
+    jnp.zeros((B,), bool),
+    jnp.full((B, N), PAD, jnp.int32),
+    jnp.zeros((B, N), jnp.float32),
+    jnp.int32(1),
+  )
   _, _, _, _, _, toks, lps, passes = jax.lax.while_loop(cond, body, init)
   lengths = output_lengths(toks)
   return Generation(toks, lps, lengths, {"policy_passes": passes})

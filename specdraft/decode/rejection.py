@@ -58,8 +58,9 @@ def rejection_sample(key, draft_tokens_BG, draft_probs_BGV, target_probs_BG1V):
   dists = final_distributions(draft_tokens_BG, draft_probs_BGV, target_probs_BG1V)
   final_dist = jnp.take_along_axis(dists, n[:, None, None], axis=1)[:, 0]
   pos = final_dist > 0
-  final = jax.random.categorical(k_res, jnp.where(pos, jnp.log(jnp.where(pos, final_dist, 1.0)),
-                                                  -jnp.inf))
+  final = jax.random.categorical(
+    k_res, jnp.where(pos, jnp.log(jnp.where(pos, final_dist, 1.0)), -jnp.inf)
+  )
   idx = jnp.arange(G + 1)[None]
   drafts = jnp.concatenate([draft_tokens_BG, jnp.zeros((B, 1), jnp.int32)], axis=1)
   tokens = jnp.where(idx < n[:, None], drafts, jnp.where(idx == n[:, None], final[:, None], -1))

@@ -51,12 +51,17 @@ def join_prompt_completion(prompt_BP, prompt_lengths_B, gen: Generation):
   in_prompt = i < plen
   in_gen = (i >= plen) & (i < plen + glen)
   gi = jnp.clip(i - plen, 0, N - 1)
-  tokens = jnp.where(in_prompt, jnp.take_along_axis(prompt_BP, jnp.minimum(i, P - 1), 1),
-                     jnp.where(in_gen, jnp.take_along_axis(gen.tokens, gi, 1), PAD))
+  tokens = jnp.where(
+    in_prompt,
+    jnp.take_along_axis(prompt_BP, jnp.minimum(i, P - 1), 1),
+    jnp.where(in_gen, jnp.take_along_axis(gen.tokens, gi, 1), PAD),
+  )
   logprobs = jnp.where(in_gen, jnp.take_along_axis(gen.logprobs, gi, 1), 0.0)
   valid = in_prompt | in_gen
-  return {"tokens": tokens.astype(jnp.int32),
-          "positions": jnp.where(valid, i, 0).astype(jnp.int32),
-          "segment_ids": valid.astype(jnp.int32),
-          "loss_mask": in_gen.astype(jnp.float32),
-          "logprobs": logprobs}
+  return {
+    "tokens": tokens.astype(jnp.int32),
+    "positions": jnp.where(valid, i, 0).astype(jnp.int32),
+    "segment_ids": valid.astype(jnp.int32),
+    "loss_mask": in_gen.astype(jnp.float32),
+    "logprobs": logprobs,
+  }

@@ -22,15 +22,28 @@ from specdraft.tasks.tokenizer import EOS, PAD
 
 
 def _logprob(logits_BV, tok_B):
-  return jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), tok_B[:, None],
-                             -1)[:, 0]
+  return jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), tok_B[:, None], -1)[
+    :, 0
+  ]
 
 
-@functools.partial(jax.jit, static_argnames=("pcfg", "dcfg", "max_new_tokens", "temperature",
-                                             "num_draft", "sampler"))
-def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, prompt_BP,
-             prompt_lengths_B, key, *, max_new_tokens: int, temperature: float,
-             num_draft: int, sampler=rejection_sample) -> Generation:
+@functools.partial(
+  jax.jit, static_argnames=("pcfg", "dcfg", "max_new_tokens", "temperature", "num_draft", "sampler")
+)
+def generate(
+  params,
+  dparams,
+  pcfg: pol.PolicyConfig,
+  dcfg: eagle3.DraftConfig,
+  prompt_BP,
+  prompt_lengths_B,
+  key,
+  *,
+  max_new_tokens: int,
+  temperature: float,
+  num_draft: int,
+  sampler=rejection_sample,
+) -> Generation:
   """Speculative generation; same interface and output as `autoregressive.generate`.
 
   `sampler` is the verification rule (tests swap in a broken one as a negative control).
@@ -56,18 +69,24 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
   done = (c == EOS) | (out_len >= N)
 
   shifted = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-  d_tokens = jnp.where(jnp.arange(P)[None] == (prompt_lengths_B - 1)[:, None], c[:, None],
-                       shifted)
+  d_tokens = jnp.where(jnp.arange(P)[None] == (prompt_lengths_B - 1)[:, None], c[:, None], shifted)
   dcache = eagle3.init_cache(dcfg, B, cap)
-  d_logits, d_hidden, dcache = eagle3.step(dparams, dcfg, embed_table, dcache,
-                                           eagle3.fuse(dparams, taps.layers, dcfg), d_tokens)
+  d_logits, d_hidden, dcache = eagle3.step(
+    dparams, dcfg, embed_table, dcache, eagle3.fuse(dparams, taps.layers, dcfg), d_tokens
+  )
   q_logits = d_logits[rows, prompt_lengths_B - 1]
   h = d_hidden[rows, prompt_lengths_B - 1]
   dcache = dcache._replace(lengths=prompt_lengths_B.astype(jnp.int32))
 
-  stats = {"policy_passes": jnp.int32(1), "draft_passes": jnp.int32(1), "rounds": jnp.int32(0),
-           "tau_sum": jnp.int32(0), "row_rounds": jnp.int32(0),
-           "accept_counts": jnp.zeros((G,), jnp.int32), "reach_counts": jnp.zeros((G,), jnp.int32)}
+  stats = {
+    "policy_passes": jnp.int32(1),
+    "draft_passes": jnp.int32(1),
+    "rounds": jnp.int32(0),
+    "tau_sum": jnp.int32(0),
+    "row_rounds": jnp.int32(0),
+    "accept_counts": jnp.zeros((G,), jnp.int32),
+    "reach_counts": jnp.zeros((G,), jnp.int32),
+  }
 
   def draft_tokens(key, q_logits, h, dcache):
     """G proposals: the first from the carried logits, then G-1 single-entry draft steps."""
@@ -97,8 +116,9 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
     p_probs = probs_at(logits, temperature)
     toks, a = sampler(k_rej, d, None if temperature == 0 else q_probs, p_probs)
     c_new = toks[rows, a]
-    lps = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(toks, 0)[..., None],
-                              -1)[..., 0]
+    lps = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(toks, 0)[..., None], -1)[
+      ..., 0
+    ]
 
     # Emit toks[0..a], cut at EOS and at the length limit; finished rows emit nothing.
     idx = jnp.arange(G + 1)[None]
@@ -107,10 +127,13 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
     count = jnp.minimum(jnp.minimum(a + 1, first_eos + 1), N - carry["out_len"])
     count = jnp.where(active, count, 0)
     write = lambda buf, vals: jax.vmap(lambda b, v, s: jax.lax.dynamic_update_slice(b, v, (s,)))(
-      buf, vals, carry["out_len"])
+      buf, vals, carry["out_len"]
+    )
     keep = idx < count[:, None]
-    out = write(carry["out"], jnp.where(keep, toks, carry["out"][rows[:, None],
-                                                                  carry["out_len"][:, None] + idx]))
+    out = write(
+      carry["out"],
+      jnp.where(keep, toks, carry["out"][rows[:, None], carry["out_len"][:, None] + idx]),
+    )
     out_lp = write(carry["out_lp"], jnp.where(keep, lps, 0.0))
     out_len = carry["out_len"] + count
     done = carry["done"] | (first_eos <= a) | (out_len >= N)
@@ -120,8 +143,9 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
     pcache = pcache._replace(lengths=new_n)
     feats = eagle3.fuse(dparams, vtaps.layers, dcfg)
     catch_toks = jnp.where(idx <= a[:, None], toks, 0)
-    dl, dh, dcache = eagle3.step(dparams, dcfg, embed_table, dcache._replace(lengths=n), feats,
-                                 catch_toks)
+    dl, dh, dcache = eagle3.step(
+      dparams, dcfg, embed_table, dcache._replace(lengths=n), feats, catch_toks
+    )
     dcache = dcache._replace(lengths=new_n)
 
     st = dict(carry["stats"])
@@ -133,12 +157,33 @@ def generate(params, dparams, pcfg: pol.PolicyConfig, dcfg: eagle3.DraftConfig, 
     st["row_rounds"] += jnp.sum(active)
     st["reach_counts"] += jnp.sum(active[:, None] & (a[:, None] >= pos), 0)
     st["accept_counts"] += jnp.sum(active[:, None] & (a[:, None] > pos), 0)
-    return {"key": key, "pcache": pcache, "dcache": dcache, "c": jnp.where(active, c_new, c),
-            "q_logits": dl[rows, a], "h": dh[rows, a], "out": out, "out_lp": out_lp,
-            "out_len": out_len, "done": done, "stats": st}
+    return {
+      "key": key,
+      "pcache": pcache,
+      "dcache": dcache,
+      "c": jnp.where(active, c_new, c),
+      "q_logits": dl[rows, a],
+      "h": dh[rows, a],
+      "out": out,
+      "out_lp": out_lp,
+      "out_len": out_len,
+      "done": done,
+      "stats": st,
+    }
 
-  carry = {"key": key, "pcache": pcache, "dcache": dcache, "c": c, "q_logits": q_logits, "h": h,
-           "out": out, "out_lp": out_lp, "out_len": out_len, "done": done, "stats": stats}
+  carry = {
+    "key": key,
+    "pcache": pcache,
+    "dcache": dcache,
+    "c": c,
+    "q_logits": q_logits,
+    "h": h,
+    "out": out,
+    "out_lp": out_lp,
+    "out_len": out_len,
+    "done": done,
+    "stats": stats,
+  }
   carry = jax.lax.while_loop(cond, round_, carry)
   lengths = carry["out_len"]
   valid = jnp.arange(N)[None] < lengths[:, None]

@@ -49,10 +49,20 @@ class DraftConfig:
   def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> DraftConfig:
     """Draft dims default to the policy's where the config leaves them 0."""
     pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
-    return cls(d_model=pcfg.d_model, vocab_size=pcfg.vocab_size, n_taps=len(pcfg.taps),
-               n_heads=pick("n_heads"), n_kv_heads=pick("n_kv_heads"), head_dim=pick("head_dim"),
-               d_ff=pick("d_ff"), rope_theta=pcfg.rope_theta, norm_eps=pcfg.norm_eps,
-               ttt_steps=draft_cfg.ttt_steps, ttt_decay=draft_cfg.ttt_decay, dtype=pcfg.dtype)
+    return cls(
+      d_model=pcfg.d_model,
+      vocab_size=pcfg.vocab_size,
+      n_taps=len(pcfg.taps),
+      n_heads=pick("n_heads"),
+      n_kv_heads=pick("n_kv_heads"),
+      head_dim=pick("head_dim"),
+      d_ff=pick("d_ff"),
+      rope_theta=pcfg.rope_theta,
+      norm_eps=pcfg.norm_eps,
+      ttt_steps=draft_cfg.ttt_steps,
+      ttt_decay=draft_cfg.ttt_decay,
+      dtype=pcfg.dtype,
+    )
 
 
 class Eagle3(nnx.Module):
@@ -74,8 +84,12 @@ class Eagle3(nnx.Module):
     self.head = nnx.Param(normal(rngs.params(), (E, cfg.vocab_size)))
 
 
-def init_params(cfg: DraftConfig, seed: int, policy_params: Params | None = None,
-                pcfg: pol.PolicyConfig | None = None) -> Params:
+def init_params(
+  cfg: DraftConfig,
+  seed: int,
+  policy_params: Params | None = None,
+  pcfg: pol.PolicyConfig | None = None,
+) -> Params:
   """Fresh draft parameters; with the policy given, the LM head and final norm start as its own."""
   params = pol.split_params(Eagle3(cfg, rngs=nnx.Rngs(seed)))
   if policy_params is not None:
@@ -95,8 +109,13 @@ def fuse(dp: Params, taps_NBTE, cfg: DraftConfig):
 def _qkv(dp, embed_table, feat_BTE, tokens_BT, positions_BT, cfg: DraftConfig):
   dt = cfg.compute_dtype
   emb = jnp.take(jax.lax.stop_gradient(embed_table), tokens_BT, axis=0).astype(dt)
-  x = jnp.concatenate([pol.rms_norm(emb, dp["embed_norm"], cfg.norm_eps),
-                       pol.rms_norm(feat_BTE, dp["hidden_norm"], cfg.norm_eps)], axis=-1)
+  x = jnp.concatenate(
+    [
+      pol.rms_norm(emb, dp["embed_norm"], cfg.norm_eps),
+      pol.rms_norm(feat_BTE, dp["hidden_norm"], cfg.norm_eps),
+    ],
+    axis=-1,
+  )
   q = jnp.einsum("bte,ehd->bthd", x, dp["wq"].astype(dt))
   k = jnp.einsum("bte,ekd->btkd", x, dp["wk"].astype(dt))
   v = jnp.einsum("bte,ekd->btkd", x, dp["wv"].astype(dt))
@@ -125,10 +144,12 @@ def shift_within_segment(x_BS, segment_ids_BS, n: int, fill=0):
   S = x_BS.shape[1]
   if n == 0:
     return x_BS
-  shifted = jnp.concatenate([x_BS[:, n:], jnp.full((x_BS.shape[0], min(n, S)), fill,
-                                                  x_BS.dtype)], axis=1)[:, :S]
-  seg_sh = jnp.concatenate([segment_ids_BS[:, n:], jnp.zeros((x_BS.shape[0], min(n, S)),
-                                                            segment_ids_BS.dtype)], axis=1)[:, :S]
+  shifted = jnp.concatenate(
+    [x_BS[:, n:], jnp.full((x_BS.shape[0], min(n, S)), fill, x_BS.dtype)], axis=1
+  )[:, :S]
+  seg_sh = jnp.concatenate(
+    [segment_ids_BS[:, n:], jnp.zeros((x_BS.shape[0], min(n, S)), segment_ids_BS.dtype)], axis=1
+  )[:, :S]
   ok = (seg_sh == segment_ids_BS) & (segment_ids_BS != 0)
   return jnp.where(ok, shifted, fill)
 
@@ -161,8 +182,9 @@ def natural_shift(x, n: int, fill=0):
   return jnp.concatenate([x[:, n:], pad], axis=1)[:, :S]
 
 
-def _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS, *,
-                shift, attend):
+def _ttt_logits(
+  dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS, *, shift, attend
+):
   """Draft logits of every TTT step [K,B,S,V]; `shift(x, n, fill)` is x[t+n] in global order
   (natural or zigzag), `attend(q0, k0, v0, q_br, k_br, v_br)` the trunk+branch attention."""
   seg = segment_ids_BS
@@ -191,12 +213,26 @@ def _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segmen
   return jnp.stack(all_logits)
 
 
-def _ttt_loss_core(dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
-                   segment_ids_BS, loss_mask_BS, *, shift, attend, total):
+def _ttt_loss_core(
+  dp,
+  cfg,
+  embed_table,
+  taps_NBSE,
+  policy_logits_BSV,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  loss_mask_BS,
+  *,
+  shift,
+  attend,
+  total,
+):
   """The TTT loss from global sums (`total` sums over the whole batch, across shards)."""
   seg = segment_ids_BS
-  logits = _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, seg,
-                       shift=shift, attend=attend)
+  logits = _ttt_logits(
+    dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, seg, shift=shift, attend=attend
+  )
   pl = jax.lax.stop_gradient(policy_logits_BSV)
   mask = loss_mask_BS.astype(jnp.float32)
   loss, norm, metrics = 0.0, 0.0, {}
@@ -213,35 +249,87 @@ def _ttt_loss_core(dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS
   return loss / norm, metrics
 
 
-def ttt_forward(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, tokens_BS, positions_BS,
-                segment_ids_BS, *, attn_impl: str = "dense", mesh=None):
+def ttt_forward(
+  dp: Params,
+  cfg: DraftConfig,
+  embed_table,
+  taps_NBSE,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  *,
+  attn_impl: str = "dense",
+  mesh=None,
+):
   """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
-  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl,
-                                       mesh=mesh)
-  return _ttt_logits(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS,
-                     shift=natural_shift, attend=attend)
+  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
+  return _ttt_logits(
+    dp,
+    cfg,
+    embed_table,
+    taps_NBSE,
+    tokens_BS,
+    positions_BS,
+    segment_ids_BS,
+    shift=natural_shift,
+    attend=attend,
+  )
 
 
-def ttt_loss(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS,
-             positions_BS, segment_ids_BS, loss_mask_BS, *, attn_impl: str = "dense", mesh=None,
-             cp_axis: str = "cp"):
+def ttt_loss(
+  dp: Params,
+  cfg: DraftConfig,
+  embed_table,
+  taps_NBSE,
+  policy_logits_BSV,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  loss_mask_BS,
+  *,
+  attn_impl: str = "dense",
+  mesh=None,
+  cp_axis: str = "cp",
+):
   """Soft cross-entropy to the (stop-gradient) policy distribution, step k weighted decay**k.
 
   attn_impl="ring" runs the whole loss per shard over `cp_axis` on data laid out in zigzag order
   once (`ttt_loss_cp`); "dense" and "allgather" run on natural-order arrays.
   Returns (loss, metrics) with per-step top-1 agreement with the policy (`ttt_acc_k`).
   """
-  args = (dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
-          segment_ids_BS, loss_mask_BS)
+  args = (
+    dp,
+    cfg,
+    embed_table,
+    taps_NBSE,
+    policy_logits_BSV,
+    tokens_BS,
+    positions_BS,
+    segment_ids_BS,
+    loss_mask_BS,
+  )
   if attn_impl == "ring":
     return ttt_loss_cp(*args, mesh=mesh, cp_axis=cp_axis)
-  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl,
-                                       mesh=mesh, cp_axis=cp_axis)
+  attend = lambda *a: branch_attention(
+    *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
+  )
   return _ttt_loss_core(*args, shift=natural_shift, attend=attend, total=jnp.sum)
 
 
-def ttt_loss_cp(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_logits_BSV,
-                tokens_BS, positions_BS, segment_ids_BS, loss_mask_BS, *, mesh, cp_axis="cp"):
+def ttt_loss_cp(
+  dp: Params,
+  cfg: DraftConfig,
+  embed_table,
+  taps_NBSE,
+  policy_logits_BSV,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  loss_mask_BS,
+  *,
+  mesh,
+  cp_axis="cp",
+):
   """The TTT loss under context parallelism: every per-token array is padded and laid out in
   zigzag order once; each shard shifts with `zigzag.shift_local`, attends with the ring's
   per-shard function and contributes partial sums that are psum-ed over `cp_axis`."""
@@ -260,18 +348,44 @@ def ttt_loss_cp(dp: Params, cfg: DraftConfig, embed_table, taps_NBSE, policy_log
 
   def body(dp, embed_table, taps, logits, tokens, positions, seg, mask, gpos):
     shift = lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill)
-    attend = lambda *a: ring.ring_attention_shard(*a, seg, gpos, branch="ttt",
-                                                  axis_name=cp_axis, cp=cp)
+    attend = lambda *a: ring.ring_attention_shard(
+      *a, seg, gpos, branch="ttt", axis_name=cp_axis, cp=cp
+    )
     total = lambda x: jax.lax.psum(jnp.sum(x), cp_axis)
-    return _ttt_loss_core(dp, cfg, embed_table, taps, logits, tokens, positions, seg, mask,
-                          shift=shift, attend=attend, total=total)
+    return _ttt_loss_core(
+      dp,
+      cfg,
+      embed_table,
+      taps,
+      logits,
+      tokens,
+      positions,
+      seg,
+      mask,
+      shift=shift,
+      attend=attend,
+      total=total,
+    )
 
   tok = P(None, cp_axis)  # [B, S, ...] arrays: sequence axis over cp
-  fn = jax.shard_map(body, mesh=mesh,
-                     in_specs=(P(), P(), P(None, None, cp_axis), tok, tok, tok, tok, tok, tok),
-                     out_specs=P(), check_vma=False)
-  return fn(dp, embed_table, lay(taps_NBSE, 2), lay(policy_logits_BSV), lay(tokens_BS),
-            lay(positions_BS), lay(segment_ids_BS), lay(loss_mask_BS.astype(jnp.float32)), gpos)
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(P(), P(), P(None, None, cp_axis), tok, tok, tok, tok, tok, tok),
+    out_specs=P(),
+    check_vma=False,
+  )
+  return fn(
+    dp,
+    embed_table,
+    lay(taps_NBSE, 2),
+    lay(policy_logits_BSV),
+    lay(tokens_BS),
+    lay(positions_BS),
+    lay(segment_ids_BS),
+    lay(loss_mask_BS.astype(jnp.float32)),
+    gpos,
+  )
 
 
 def shift_within_segment_logits(logits_BSV, segment_ids_BS, n: int):

@@ -37,8 +37,9 @@ class PipelineSpec:
     if not isinstance(self.microbatches, int) or self.microbatches < 1:
       raise ValueError(f"parallel.pipeline.microbatches={self.microbatches!r} must be an int >= 1")
     if self.tap_mode not in MODES:
-      raise ValueError(f"parallel.pipeline.tap_mode={self.tap_mode!r} is unknown; expected one "
-                       f"of {MODES}")
+      raise ValueError(
+        f"parallel.pipeline.tap_mode={self.tap_mode!r} is unknown; expected one of {MODES}"
+      )
     if self.tap_delay and self.tap_mode != "direct":
       raise ValueError("parallel.pipeline.tap_delay=True only applies to tap_mode='direct'")
 
@@ -54,8 +55,9 @@ def tap_plan(pcfg: pol.PolicyConfig, num_stages: int) -> TapPlan:
 
 def num_stages(mesh, axis_name: str = "pp") -> int:
   if axis_name not in mesh.shape:
-    raise ValueError(f"pipelining needs a mesh with a {axis_name!r} axis (mesh axes "
-                     f"{tuple(mesh.shape)})")
+    raise ValueError(
+      f"pipelining needs a mesh with a {axis_name!r} axis (mesh axes {tuple(mesh.shape)})"
+    )
   return int(mesh.shape[axis_name])
 
 
@@ -63,44 +65,78 @@ def check(pcfg: pol.PolicyConfig, spec: PipelineSpec, num_stages: int, batch_row
   """Clear errors before anything compiles: stages, tap layers, microbatches."""
   plan = tap_plan(pcfg, num_stages)
   if batch_rows % spec.microbatches:
-    raise ValueError(f"batch of {batch_rows} rows cannot be split into "
-                     f"parallel.pipeline.microbatches={spec.microbatches}")
+    raise ValueError(
+      f"batch of {batch_rows} rows cannot be split into "
+      f"parallel.pipeline.microbatches={spec.microbatches}"
+    )
   return plan
 
 
 def param_specs(theta, axis_name: str = "pp") -> Any:
   """In-specs of the policy parameters over the pipeline axis: stacked layers split by stage,
   the rest (embedding, final norm, head) on every stage (their gradients are summed)."""
-  return {k: (jax.tree.map(lambda _: P(axis_name), v) if k == "layers" else
-              jax.tree.map(lambda _: P(), v)) for k, v in theta.items()}
+  return {
+    k: (
+      jax.tree.map(lambda _: P(axis_name), v) if k == "layers" else jax.tree.map(lambda _: P(), v)
+    )
+    for k, v in theta.items()
+  }
 
 
-def _stage_fn(pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str,
-              stop_tap_gradient: bool):
+def _stage_fn(
+  pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str, stop_tap_gradient: bool
+):
   def fn(layers, x, side):
     pos, seg = side
     tap_at = () if plan is None else plan.local_union
-    x, union, _ = pol.run_layers(layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg,
-                                 tap_at=tap_at)
+    x, union, _ = pol.run_layers(
+      layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg, tap_at=tap_at
+    )
     if plan is None:
       return x, None
     buf = stage_buffer(plan, union, jax.lax.axis_index(axis_name))
     return x, (jax.lax.stop_gradient(buf) if stop_tap_gradient else buf)
+
   return fn
 
 
-def _run(theta, tokens_M, pos_M, seg_M, *, pcfg, spec: PipelineSpec, plan: TapPlan | None,
-         stages: int, stop_tap_gradient: bool, return_sent: bool = False):
+def _run(
+  theta,
+  tokens_M,
+  pos_M,
+  seg_M,
+  *,
+  pcfg,
+  spec: PipelineSpec,
+  plan: TapPlan | None,
+  stages: int,
+  stop_tap_gradient: bool,
+  return_sent: bool = False,
+):
   """Inside the shard_map: embedding, the pipelined layer stack, the tap channel."""
   # The embedding runs on the first stage only (its gradient is scattered there only).
-  emb = pipe.on_stage(0, lambda table, tok: pol.embed({"embed": table}, tok, pcfg),
-                      theta["embed"], tokens_M, axis_name=spec.axis_name)  # [M,b,S,E]
-  channel = None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay,
-                                                 spec.axis_name)
+  emb = pipe.on_stage(
+    0,
+    lambda table, tok: pol.embed({"embed": table}, tok, pcfg),
+    theta["embed"],
+    tokens_M,
+    axis_name=spec.axis_name,
+  )  # [M,b,S,E]
+  channel = (
+    None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay, spec.axis_name)
+  )
   fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient)
-  return pipe.gpipe(fn, theta["layers"], emb, (pos_M, seg_M), num_stages=stages,
-                    axis_name=spec.axis_name, channel=channel, remat=spec.remat,
-                    return_sent=return_sent)
+  return pipe.gpipe(
+    fn,
+    theta["layers"],
+    emb,
+    (pos_M, seg_M),
+    num_stages=stages,
+    axis_name=spec.axis_name,
+    channel=channel,
+    remat=spec.remat,
+    return_sent=return_sent,
+  )
 
 
 def _taps_from(recv_MNbSE):
@@ -117,8 +153,17 @@ def _defaults(tokens_BS, positions_BS, segment_ids_BS):
   return positions_BS, segment_ids_BS
 
 
-def forward(theta, pcfg: pol.PolicyConfig, tokens_BS, positions_BS=None, segment_ids_BS=None, *,
-            mesh, spec: PipelineSpec, stop_tap_gradient: bool = True):
+def forward(
+  theta,
+  pcfg: pol.PolicyConfig,
+  tokens_BS,
+  positions_BS=None,
+  segment_ids_BS=None,
+  *,
+  mesh,
+  spec: PipelineSpec,
+  stop_tap_gradient: bool = True,
+):
   """Pipelined counterpart of `policy.forward`: (logits_BSV, Taps, sent) where `sent` is every
   stage's own tap buffer per microbatch [P, M, n_max, b, S, E] (what each stage sent).
 
@@ -131,16 +176,29 @@ def forward(theta, pcfg: pol.PolicyConfig, tokens_BS, positions_BS=None, segment
   split = lambda x: pipe.split_microbatches(x, spec.microbatches)
 
   def body(theta, tokens_M, pos_M, seg_M):
-    outs, recv, sent = _run(theta, tokens_M, pos_M, seg_M, pcfg=pcfg, spec=spec, plan=plan,
-                            stages=stages, stop_tap_gradient=stop_tap_gradient,
-                            return_sent=True)
+    outs, recv, sent = _run(
+      theta,
+      tokens_M,
+      pos_M,
+      seg_M,
+      pcfg=pcfg,
+      spec=spec,
+      plan=plan,
+      stages=stages,
+      stop_tap_gradient=stop_tap_gradient,
+      return_sent=True,
+    )
     h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
     return logits[None], _taps_from(recv)[None], h[None], sent[None]
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(param_specs(theta, spec.axis_name), P(), P(), P()),
-                     out_specs=P(spec.axis_name), axis_names={spec.axis_name})
-  logits, layers, h, sent = fn(theta, split(tokens_BS), split(positions_BS),
-                               split(segment_ids_BS))
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(param_specs(theta, spec.axis_name), P(), P(), P()),
+    out_specs=P(spec.axis_name),
+    axis_names={spec.axis_name},
+  )
+  logits, layers, h, sent = fn(theta, split(tokens_BS), split(positions_BS), split(segment_ids_BS))
   taps = pol.Taps(layers[-1], h[-1])
   if stop_tap_gradient:
     taps = jax.lax.stop_gradient(taps)
@@ -150,8 +208,18 @@ def forward(theta, pcfg: pol.PolicyConfig, tokens_BS, positions_BS=None, segment
 Objective = Callable[..., tuple[jax.Array, dict]]
 
 
-def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, mesh,
-         spec: PipelineSpec, stop_tap_gradient: bool = True, ref_theta=None):
+def loss(
+  theta,
+  extra,
+  batch,
+  objective: Objective,
+  *,
+  pcfg: pol.PolicyConfig,
+  mesh,
+  spec: PipelineSpec,
+  stop_tap_gradient: bool = True,
+  ref_theta=None,
+):
   """Runs the policy as a pipeline and `objective` on the last stage; returns (loss, metrics).
 
   objective(theta, extra, logits_BSV, taps: Taps, batch, ref_logits_BSV or None)
@@ -169,29 +237,54 @@ def loss(theta, extra, batch, objective: Objective, *, pcfg: pol.PolicyConfig, m
   ax = spec.axis_name
 
   def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
-    outs, recv, _ = _run(theta, tokens_M, pos_M, seg_M, pcfg=pcfg, spec=spec, plan=plan,
-                         stages=stages, stop_tap_gradient=stop_tap_gradient)
+    outs, recv, _ = _run(
+      theta,
+      tokens_M,
+      pos_M,
+      seg_M,
+      pcfg=pcfg,
+      spec=spec,
+      plan=plan,
+      stages=stages,
+      stop_tap_gradient=stop_tap_gradient,
+    )
     ref_outs = None
     if ref_theta is not None:
-      ref_outs, _, _ = _run(jax.lax.stop_gradient(ref_theta), tokens_M, pos_M, seg_M, pcfg=pcfg,
-                            spec=spec, plan=None, stages=stages, stop_tap_gradient=True)
+      ref_outs, _, _ = _run(
+        jax.lax.stop_gradient(ref_theta),
+        tokens_M,
+        pos_M,
+        seg_M,
+        pcfg=pcfg,
+        spec=spec,
+        plan=None,
+        stages=stages,
+        stop_tap_gradient=True,
+      )
 
     def last_stage(theta, extra, batch, outs, recv, ref_outs, ref_theta):
       h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
       taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
       ref_logits = None
       if ref_outs is not None:
-        _, ref_logits = pol.head(jax.lax.stop_gradient(ref_theta),
-                                 pipe.merge_microbatches(ref_outs), pcfg)
+        _, ref_logits = pol.head(
+          jax.lax.stop_gradient(ref_theta), pipe.merge_microbatches(ref_outs), pcfg
+        )
         ref_logits = jax.lax.stop_gradient(ref_logits)
       return objective(theta, extra, logits, taps, batch, ref_logits)
 
-    out = pipe.on_stage(stages - 1, last_stage, theta, extra, batch, outs, recv, ref_outs,
-                        ref_theta, axis_name=ax)
+    out = pipe.on_stage(
+      stages - 1, last_stage, theta, extra, batch, outs, recv, ref_outs, ref_theta, axis_name=ax
+    )
     return jax.lax.psum(out, ax)
 
   specs = param_specs(theta, ax)
   ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(), P(), ref_specs, P(), P(), P()),
-                     out_specs=P(), axis_names={ax})
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(specs, P(), P(), ref_specs, P(), P(), P()),
+    out_specs=P(),
+    axis_names={ax},
+  )
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))

@@ -69,8 +69,14 @@ class StackedLayers(nnx.Module):
   """All decoder layers' weights, stacked on a leading layer axis."""
 
   def __init__(self, cfg: PolicyConfig, *, rngs: nnx.Rngs):
-    L, E, H, K, D, F = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                        cfg.d_ff)
+    L, E, H, K, D, F = (
+      cfg.n_layers,
+      cfg.d_model,
+      cfg.n_heads,
+      cfg.n_kv_heads,
+      cfg.head_dim,
+      cfg.d_ff,
+    )
     normal = nnx.initializers.normal(cfg.init_std)
     out_std = cfg.init_std / (2 * L) ** 0.5  # residual-branch outputs scaled down with depth
     self.attn_norm = nnx.Param(jnp.ones((L, E)))
@@ -90,13 +96,15 @@ class Policy(nnx.Module):
   def __init__(self, cfg: PolicyConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     # std 1/sqrt(E) keeps tied-head logits O(1) at init.
-    self.embed = nnx.Param(nnx.initializers.normal(cfg.d_model**-0.5)(
-      rngs.params(), (cfg.vocab_size, cfg.d_model)))
+    self.embed = nnx.Param(
+      nnx.initializers.normal(cfg.d_model**-0.5)(rngs.params(), (cfg.vocab_size, cfg.d_model))
+    )
     self.layers = StackedLayers(cfg, rngs=rngs)
     self.final_norm = nnx.Param(jnp.ones((cfg.d_model,)))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(),
-                                                                   (cfg.d_model, cfg.vocab_size)))
+      self.head = nnx.Param(
+        nnx.initializers.normal(cfg.init_std)(rngs.params(), (cfg.d_model, cfg.vocab_size))
+      )
 
   def __call__(self, tokens, positions=None, segment_ids=None):
     return forward(split_params(self), self.cfg, tokens, positions, segment_ids)
@@ -190,7 +198,8 @@ def init_cache(cfg: PolicyConfig, batch: int, capacity: int) -> KVCache:
 
 def _write_rows(cache_BCKD, new_BTKD, start_B):
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
-    cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), start_B)
+    cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), start_B
+  )
 
 
 # ----------------------------------------------------------------------------- layer stacks
@@ -200,9 +209,16 @@ def slice_layers(layers: Params, start: int, stop: int) -> Params:
   return jax.tree.map(lambda a: a[start:stop], layers)
 
 
-def run_layers(layers: Params, x_BTE, cfg: PolicyConfig, *, positions_BT, segment_ids_BT=None,
-               cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-               tap_at: tuple[int, ...] = ()):
+def run_layers(
+  layers: Params,
+  x_BTE,
+  cfg: PolicyConfig,
+  *,
+  positions_BT,
+  segment_ids_BT=None,
+  cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  tap_at: tuple[int, ...] = (),
+):
   """Runs a contiguous stack of layers (leading axis of `layers`) with `lax.scan`.
 
   Without a cache: packed causal attention by (positions, segment ids).
@@ -273,8 +289,15 @@ class Taps(NamedTuple):
   final: jax.Array  # [B,S,E]
 
 
-def forward(params: Params, cfg: PolicyConfig, tokens_BS, positions_BS=None, segment_ids_BS=None,
-            *, stop_tap_gradient: bool = True):
+def forward(
+  params: Params,
+  cfg: PolicyConfig,
+  tokens_BS,
+  positions_BS=None,
+  segment_ids_BS=None,
+  *,
+  stop_tap_gradient: bool = True,
+):
   """Full-sequence forward over packed rows. Returns (logits_BSV float32, Taps).
 
   Taps are `stop_gradient`-ed before they leave the policy unless `stop_tap_gradient=False`
@@ -286,8 +309,14 @@ def forward(params: Params, cfg: PolicyConfig, tokens_BS, positions_BS=None, seg
   if segment_ids_BS is None:
     segment_ids_BS = jnp.ones((B, S), jnp.int32)
   x = embed(params, tokens_BS, cfg)
-  x, taps, _ = run_layers(params["layers"], x, cfg, positions_BT=positions_BS,
-                          segment_ids_BT=segment_ids_BS, tap_at=cfg.taps)
+  x, taps, _ = run_layers(
+    params["layers"],
+    x,
+    cfg,
+    positions_BT=positions_BS,
+    segment_ids_BT=segment_ids_BS,
+    tap_at=cfg.taps,
+  )
   h, logits = head(params, x, cfg)
   out = Taps(taps, h)
   if stop_tap_gradient:
@@ -305,8 +334,14 @@ def decode(params: Params, cfg: PolicyConfig, cache: KVCache, tokens_BT):
   T = tokens_BT.shape[1]
   positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   x = embed(params, tokens_BT, cfg)
-  x, taps, (k, v) = run_layers(params["layers"], x, cfg, positions_BT=positions,
-                               cache=(cache.k, cache.v, cache.lengths), tap_at=cfg.taps)
+  x, taps, (k, v) = run_layers(
+    params["layers"],
+    x,
+    cfg,
+    positions_BT=positions,
+    cache=(cache.k, cache.v, cache.lengths),
+    tap_at=cfg.taps,
+  )
   h, logits = head(params, x, cfg)
   return logits, jax.lax.stop_gradient(Taps(taps, h)), KVCache(k, v, cache.lengths + T)
 

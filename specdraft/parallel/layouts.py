@@ -49,8 +49,13 @@ def layout(name: str) -> dict:
     raise ValueError(f"parallel.layout={name!r} is unknown; expected one of {sorted(LAYOUTS)}")
   sizes = {a: 1 for a in AXES}
   sizes.update(LAYOUTS[name])
-  return {"name": name, "devices": 0, "mesh": sizes, "rules": [list(r) for r in DEFAULT_RULES],
-          "pipeline": dict(PIPELINE_DEFAULTS, microbatches=2 * sizes["pp"])}
+  return {
+    "name": name,
+    "devices": 0,
+    "mesh": sizes,
+    "rules": [list(r) for r in DEFAULT_RULES],
+    "pipeline": dict(PIPELINE_DEFAULTS, microbatches=2 * sizes["pp"]),
+  }
 
 
 # Used when the layout has pp > 1 (model/pipelined.py): M microbatches (GPipe bubble fraction

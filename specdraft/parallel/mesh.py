@@ -29,8 +29,9 @@ def mesh_devices(parallel_cfg, num_devices: int | None = None) -> int:
   if want == 0:
     return n
   if not isinstance(want, int) or not 1 <= want <= n:
-    raise ValueError(f"parallel.devices={want!r} is invalid: expected 0 (all devices) or a "
-                     f"count in [1, {n}]")
+    raise ValueError(
+      f"parallel.devices={want!r} is invalid: expected 0 (all devices) or a count in [1, {n}]"
+    )
   return want
 
 
@@ -39,10 +40,12 @@ def check_mesh(parallel_cfg, num_devices: int | None = None) -> None:
   shape = mesh_shape(parallel_cfg)
   if math.prod(shape) != n:
     desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, shape) if s > 1) or "all axes 1"
-    raise ValueError(f"parallel.layout={parallel_cfg.get('name', '?')!r} has mesh size "
-                     f"{math.prod(shape)} ({desc}) but it must cover {n} devices "
-                     f"(parallel.devices={parallel_cfg.get('devices', 0)!r}); choose a "
-                     "layout whose axis sizes multiply to that count, or set parallel.devices")
+    raise ValueError(
+      f"parallel.layout={parallel_cfg.get('name', '?')!r} has mesh size "
+      f"{math.prod(shape)} ({desc}) but it must cover {n} devices "
+      f"(parallel.devices={parallel_cfg.get('devices', 0)!r}); choose a "
+      "layout whose axis sizes multiply to that count, or set parallel.devices"
+    )
 
 
 def make_mesh(parallel_cfg, devices=None) -> jax.sharding.Mesh:
@@ -52,9 +55,10 @@ def make_mesh(parallel_cfg, devices=None) -> jax.sharding.Mesh:
   """
   devices = jax.devices() if devices is None else devices
   check_mesh(parallel_cfg, len(devices))
-  devices = devices[:mesh_devices(parallel_cfg, len(devices))]
-  return jax.make_mesh(mesh_shape(parallel_cfg), AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                       devices=devices)
+  devices = devices[: mesh_devices(parallel_cfg, len(devices))]
+  return jax.make_mesh(
+    mesh_shape(parallel_cfg), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices
+  )
 
 
 def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) -> P:
@@ -77,8 +81,10 @@ def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) 
       continue
     size = math.prod(mesh.shape[a] for a in axes)
     if shape is not None and shape[i] % size:
-      raise ValueError(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
-                       f"{axes} of size {size}; change the layout rules or the model size")
+      raise ValueError(
+        f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
+        f"{axes} of size {size}; change the layout rules or the model size"
+      )
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else axes)
   return P(*spec)
@@ -89,7 +95,10 @@ def tree_shardings(logical_tree, shapes_tree, rules, mesh):
   is_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
   return jax.tree.map(
     lambda names, s: NamedSharding(mesh, logical_to_spec(names, rules, mesh, s.shape)),
-    logical_tree, shapes_tree, is_leaf=is_leaf)
+    logical_tree,
+    shapes_tree,
+    is_leaf=is_leaf,
+  )
 
 
 def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:

@@ -30,8 +30,8 @@ def varying(tree, axis_name: str):
   """Marks values as varying over `axis_name` (zero-initialised scan carries, both branches of a
   stage-dependent `cond`); values already varying are left alone."""
   return jax.tree.map(
-    lambda x: x if _is_varying(x, axis_name) else jax.lax.pcast(x, (axis_name,), to="varying"),
-    tree)
+    lambda x: x if _is_varying(x, axis_name) else jax.lax.pcast(x, (axis_name,), to="varying"), tree
+  )
 
 
 def on_stage(stage: int, fn, *args, axis_name: str = "pp"):
@@ -43,10 +43,12 @@ def on_stage(stage: int, fn, *args, axis_name: str = "pp"):
   """
   args = varying(args, axis_name)
   shapes = jax.eval_shape(fn, *args)
-  others = lambda *_: varying(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                              axis_name)
-  return jax.lax.cond(jax.lax.axis_index(axis_name) == stage,
-                      lambda *a: varying(fn(*a), axis_name), others, *args)
+  others = lambda *_: varying(
+    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), axis_name
+  )
+  return jax.lax.cond(
+    jax.lax.axis_index(axis_name) == stage, lambda *a: varying(fn(*a), axis_name), others, *args
+  )
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -57,8 +59,9 @@ def split_microbatches(x, num_microbatches: int):
   """
   B = x.shape[0]
   if B % num_microbatches:
-    raise ValueError(f"batch of {B} rows cannot be split into "
-                     f"parallel.pipeline.microbatches={num_microbatches}")
+    raise ValueError(
+      f"batch of {B} rows cannot be split into parallel.pipeline.microbatches={num_microbatches}"
+    )
   return jnp.swapaxes(x.reshape((B // num_microbatches, num_microbatches) + x.shape[1:]), 0, 1)
 
 
@@ -67,8 +70,18 @@ def merge_microbatches(x):
   return jnp.swapaxes(x, 0, 1).reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_name: str = "pp",
-          channel: TapChannel | None = None, remat: bool = False, return_sent: bool = False):
+def gpipe(
+  stage_fn,
+  stage_params,
+  first_inputs,
+  side,
+  *,
+  num_stages: int,
+  axis_name: str = "pp",
+  channel: TapChannel | None = None,
+  remat: bool = False,
+  return_sent: bool = False,
+):
   """Runs the pipeline; call inside shard_map with `axis_name` manual.
 
   stage_params: this stage's parameters (its slice of the stacked layers).
@@ -109,7 +122,7 @@ def gpipe(stage_fn, stage_params, first_inputs, side, *, num_stages: int, axis_n
     return (x_next, ch), y
 
   (_, ch), ys = jax.lax.scan(body, (x0, ch0), jnp.arange(n_iter, dtype=jnp.int32))
-  outputs = ys[P - 1:]  # the last stage works on microbatch m at iteration m + P - 1
+  outputs = ys[P - 1 :]  # the last stage works on microbatch m at iteration m + P - 1
   recv, sent = None, None
   if channel is not None:
     recv = channel.finish(ch, num_iterations=n_iter, stage=stage)

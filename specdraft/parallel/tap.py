@@ -49,15 +49,19 @@ class TapPlan:
     if P < 1:
       raise ValueError(f"pipeline stages must be >= 1, got {P}")
     if L % P:
-      raise ValueError(f"model.n_layers={L} cannot be split into {P} equal pipeline stages "
-                       f"(parallel.mesh.pp={P}); choose pp dividing {L}, e.g. "
-                       f"{[d for d in range(1, L + 1) if L % d == 0]}")
+      raise ValueError(
+        f"model.n_layers={L} cannot be split into {P} equal pipeline stages "
+        f"(parallel.mesh.pp={P}); choose pp dividing {L}, e.g. "
+        f"{[d for d in range(1, L + 1) if L % d == 0]}"
+      )
     if not self.tap_layers:
       raise ValueError("a TapPlan needs at least one tap layer")
     bad = [t for t in self.tap_layers if not 0 <= t < L]
     if bad:
-      raise ValueError(f"tap layer(s) {bad} do not exist: the policy has layers 0..{L - 1} "
-                       f"(model.tap_layers={tuple(self.tap_layers)})")
+      raise ValueError(
+        f"tap layer(s) {bad} do not exist: the policy has layers 0..{L - 1} "
+        f"(model.tap_layers={tuple(self.tap_layers)})"
+      )
     if len(set(self.tap_layers)) != len(self.tap_layers):
       raise ValueError(f"tap layers {tuple(self.tap_layers)} repeat a layer")
 
@@ -110,8 +114,9 @@ class TapPlan:
     return table
 
   def describe(self) -> str:
-    parts = [f"layer {t} -> stage {s} local {loc}" for t, (s, loc) in
-             zip(self.tap_layers, self.entries)]
+    parts = [
+      f"layer {t} -> stage {s} local {loc}" for t, (s, loc) in zip(self.tap_layers, self.entries)
+    ]
     return "; ".join(parts)
 
 
@@ -145,11 +150,14 @@ class TapChannel:
 
   def __post_init__(self):
     if self.mode not in MODES:
-      raise ValueError(f"parallel.pipeline.tap_mode={self.mode!r} is unknown; expected one of "
-                       f"{MODES}")
+      raise ValueError(
+        f"parallel.pipeline.tap_mode={self.mode!r} is unknown; expected one of {MODES}"
+      )
     if self.delay and self.mode != "direct":
-      raise ValueError(f"parallel.pipeline.tap_delay=True only applies to tap_mode='direct' "
-                       f"(got tap_mode={self.mode!r})")
+      raise ValueError(
+        f"parallel.pipeline.tap_delay=True only applies to tap_mode='direct' "
+        f"(got tap_mode={self.mode!r})"
+      )
 
   def _send(self, x, src):
     """One single-pair ppermute src -> last stage; every other device receives zeros."""
@@ -193,12 +201,13 @@ class TapChannel:
     M = carry["own"].shape[0] - 1
     carry = dict(carry)
     carry["own"] = jax.lax.dynamic_update_index_in_dim(
-      carry["own"], buf.astype(carry["own"].dtype), self._row(it - stage, M), 0)
+      carry["own"], buf.astype(carry["own"].dtype), self._row(it - stage, M), 0
+    )
     if self.mode == "direct":
       send, lag = (carry["pending"], 1) if self.delay else (buf, 0)
       recv = carry["recv"]
       for s in plan.sources:
-        got = self._send(send[:plan.count(s)], s)  # microbatch it - lag - s
+        got = self._send(send[: plan.count(s)], s)  # microbatch it - lag - s
         row = self._row(it - lag - s, M)
         for j, slot in enumerate(plan.slots(s)):
           recv = self._put(recv, row, slot, got[j])
@@ -232,18 +241,21 @@ class TapChannel:
     recv = carry.get("recv", jnp.zeros((M + 1, N) + own.shape[2:], own.dtype))
     if self.mode == "direct" and self.delay:  # the last iteration's buffer is still pending
       for s in plan.sources:
-        got = self._send(carry["pending"][:plan.count(s)], s)
+        got = self._send(carry["pending"][: plan.count(s)], s)
         row = self._row(num_iterations - 1 - s, M)
         for j, slot in enumerate(plan.slots(s)):
           recv = self._put(recv, row, slot, got[j])
     recv = recv[:M]
     if self.mode == "bulk":
       for s in plan.sources:
-        got = self._send(own[:M, :plan.count(s)], s)  # [M, count(s), ...], once
+        got = self._send(own[:M, : plan.count(s)], s)  # [M, count(s), ...], once
         recv = recv.at[:, jnp.asarray(plan.slots(s))].set(got)
     # the last stage's own taps never travel
-    recv = recv.at[:, jnp.asarray(plan.slots(last), jnp.int32)].set(
-      own[:M, :plan.count(last)]) if plan.count(last) else recv
+    recv = (
+      recv.at[:, jnp.asarray(plan.slots(last), jnp.int32)].set(own[:M, : plan.count(last)])
+      if plan.count(last)
+      else recv
+    )
     return recv
 
   def tapped_bytes(self, tap_shape, dtype, num_microbatches: int) -> int:

@@ -18,8 +18,10 @@ def padded_length(S: int, cp: int) -> int:
 
 def check_length(S: int, cp: int, what: str = "sequence length") -> None:
   if S % (2 * cp):
-    raise ValueError(f"{what} S={S} is not divisible by 2*cp={2 * cp}; pad rows to "
-                     f"{padded_length(S, cp)} (segment 0) with zigzag.pad first")
+    raise ValueError(
+      f"{what} S={S} is not divisible by 2*cp={2 * cp}; pad rows to "
+      f"{padded_length(S, cp)} (segment 0) with zigzag.pad first"
+    )
 
 
 def pad(x, S_pad: int, axis: int = 1, value=0):
@@ -37,8 +39,7 @@ def permutation(S: int, cp: int) -> np.ndarray:
   check_length(S, cp)
   c = S // (2 * cp)
   chunks = np.arange(S).reshape(2 * cp, c)
-  return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]])
-                         for r in range(cp)])
+  return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
 
 
 def to_zigzag(x, cp: int, axis: int = 1):

@@ -62,9 +62,20 @@ def kl_penalty(logp_NS, ref_logp_NS, estimator: str):
   raise ValueError(f"rl.kl_estimator={estimator!r} is invalid; expected one of {KL_ESTIMATORS}")
 
 
-def policy_loss(logp_NS, old_logp_NS, adv_N, mask_NS, *, eps_low: float, eps_high: float,
-                aggregation: str, max_tokens: int | None = None, ref_logp_NS=None,
-                beta: float = 0.0, kl_estimator: str = "k3"):
+def policy_loss(
+  logp_NS,
+  old_logp_NS,
+  adv_N,
+  mask_NS,
+  *,
+  eps_low: float,
+  eps_high: float,
+  aggregation: str,
+  max_tokens: int | None = None,
+  ref_logp_NS=None,
+  beta: float = 0.0,
+  kl_estimator: str = "k3",
+):
   """Clipped surrogate `max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`, aggregated, plus
   `beta * KL` when a reference is given. The log-ratio is clipped to +-20 for safety.
   Returns (loss, metrics)."""
@@ -77,8 +88,11 @@ def policy_loss(logp_NS, old_logp_NS, adv_N, mask_NS, *, eps_low: float, eps_hig
   loss = aggregate(pg, mask_NS, aggregation, max_tokens)
   m = mask_NS.astype(jnp.float32)
   n = jnp.maximum(m.sum(), 1.0)
-  metrics = {"pg_loss": loss, "clip_frac": jnp.sum((clipped > unclipped) * m) / n,
-             "ratio_mean": jnp.sum(ratio * m) / n}
+  metrics = {
+    "pg_loss": loss,
+    "clip_frac": jnp.sum((clipped > unclipped) * m) / n,
+    "ratio_mean": jnp.sum(ratio * m) / n,
+  }
   if ref_logp_NS is not None and beta > 0:
     kl = kl_penalty(logp_NS, ref_logp_NS, kl_estimator)
     kl_mean = aggregate(kl, mask_NS, aggregation, max_tokens)

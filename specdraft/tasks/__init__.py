@@ -25,5 +25,14 @@ def make_task(task_cfg) -> Task:
   raise ValueError(f"task.name={name!r} is unknown; expected one of {TASKS}")
 
 
-__all__ = ["TASKS", "Arithmetic", "CharTokenizer", "Countdown", "Example", "JsonlTask", "Task",
-           "load_jsonl", "make_task"]
+__all__ = [
+  "TASKS",
+  "Arithmetic",
+  "CharTokenizer",
+  "Countdown",
+  "Example",
+  "JsonlTask",
+  "Task",
+  "load_jsonl",
+  "make_task",
+]

@@ -40,14 +40,19 @@ class Arithmetic:
   def __post_init__(self):
     for name, w in self.mixture:
       if name not in FORMATS or w < 0:
-        raise ValueError(f"task.arithmetic.formats={self.formats!r}: each entry is "
-                         f"'<format>[:weight]' with a format in {FORMATS} and weight >= 0")
+        raise ValueError(
+          f"task.arithmetic.formats={self.formats!r}: each entry is "
+          f"'<format>[:weight]' with a format in {FORMATS} and weight >= 0"
+        )
     if self.reward_format and self.reward_format not in FORMATS:
-      raise ValueError(f"task.arithmetic.reward_format={self.reward_format!r} must be '' or one "
-                       f"of {FORMATS}")
+      raise ValueError(
+        f"task.arithmetic.reward_format={self.reward_format!r} must be '' or one of {FORMATS}"
+      )
     if not 1 <= self.min_digits <= self.max_digits:
-      raise ValueError(f"task.arithmetic: need 1 <= min_digits <= max_digits, got "
-                       f"{self.min_digits}, {self.max_digits}")
+      raise ValueError(
+        f"task.arithmetic: need 1 <= min_digits <= max_digits, got "
+        f"{self.min_digits}, {self.max_digits}"
+      )
     if self.num_operands < 2:
       raise ValueError(f"task.arithmetic.num_operands must be >= 2, got {self.num_operands}")
 

@@ -31,8 +31,7 @@ class Countdown:
     if self.max_number < 1:
       raise ValueError(f"task.countdown.max_number must be >= 1, got {self.max_number}")
     if not self.ops or set(self.ops) - set(_PREC):
-      raise ValueError(f"task.countdown.ops must be a non-empty subset of '+-*/', got "
-                       f"{self.ops!r}")
+      raise ValueError(f"task.countdown.ops must be a non-empty subset of '+-*/', got {self.ops!r}")
 
   def sample(self, rng: np.random.Generator) -> Example:
     while True:

@@ -18,8 +18,12 @@ from specdraft.tasks.base import Example
 
 
 def _task_spec(task_cfg) -> dict:
-  spec = {"name": task_cfg.name, "seed": int(task_cfg.seed), "num_train": int(task_cfg.num_train),
-          "num_test": int(task_cfg.num_test)}
+  spec = {
+    "name": task_cfg.name,
+    "seed": int(task_cfg.seed),
+    "num_train": int(task_cfg.num_train),
+    "num_test": int(task_cfg.num_test),
+  }
   spec.update(dict(task_cfg[task_cfg.name]) if task_cfg.name in task_cfg else {})
   return spec
 
@@ -42,8 +46,10 @@ class SpecdraftTask(tfds.core.GeneratorBasedBuilder):
     return tfds.core.DatasetInfo(
       builder=self,
       description="specdraft generated task: " + self.builder_config.description,
-      features=tfds.features.FeaturesDict({"prompt": tfds.features.Text(),
-                                           "answer": tfds.features.Text()}))
+      features=tfds.features.FeaturesDict(
+        {"prompt": tfds.features.Text(), "answer": tfds.features.Text()}
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     del dl_manager
@@ -85,8 +91,9 @@ def generate_splits(task_cfg) -> tuple[list[Example], list[Example]]:
 
 
 def prepare(task_cfg, data_dir: str) -> SpecdraftTask:
-  builder = SpecdraftTask(config=SpecdraftTaskConfig(task_cfg=task_cfg), data_dir=data_dir,
-                          file_format="array_record")
+  builder = SpecdraftTask(
+    config=SpecdraftTaskConfig(task_cfg=task_cfg), data_dir=data_dir, file_format="array_record"
+  )
   builder.download_and_prepare()
   return builder
 

@@ -23,14 +23,16 @@ def load_jsonl(path: str) -> list[Example]:
       except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
       if not isinstance(rec, dict):
-        raise ValueError(f"{where}: expected an object with 'prompt' and 'answer', got "
-                         f"{type(rec).__name__}")
+        raise ValueError(
+          f"{where}: expected an object with 'prompt' and 'answer', got {type(rec).__name__}"
+        )
       for key in ("prompt", "answer"):
         if key not in rec:
           raise ValueError(f"{where}: missing field {key!r}")
         if not isinstance(rec[key], str):
-          raise ValueError(f"{where}: field {key!r} must be a string, got "
-                           f"{type(rec[key]).__name__}")
+          raise ValueError(
+            f"{where}: field {key!r} must be a string, got {type(rec[key]).__name__}"
+          )
       out.append(Example(rec["prompt"], rec["answer"]))
   if not out:
     raise ValueError(f"{path}: no records")

@@ -19,8 +19,10 @@ def encode_sft(ex: Example, tok: CharTokenizer, seq_len: int) -> dict[str, np.nd
   p = tok.encode(ex.prompt, bos=True)
   a = tok.encode(ex.answer, eos=True)
   if len(p) + len(a) > seq_len:
-    raise ValueError(f"example of {len(p) + len(a)} tokens does not fit data.seq_len={seq_len}: "
-                     f"{ex.prompt!r} -> {ex.answer[:40]!r}; raise data.seq_len")
+    raise ValueError(
+      f"example of {len(p) + len(a)} tokens does not fit data.seq_len={seq_len}: "
+      f"{ex.prompt!r} -> {ex.answer[:40]!r}; raise data.seq_len"
+    )
   tokens = np.asarray(p + a, np.int32)
   mask = np.asarray([0] * len(p) + [1] * len(a), np.float32)
   return {"tokens": tokens, "loss_mask": mask}
@@ -37,16 +39,26 @@ def pad_row(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
   }
 
 
-def sft_dataset(source, tok: CharTokenizer, *, batch_size: int, seq_len: int, packing: bool,
-                seed: int) -> grain.IterDataset:
+def sft_dataset(
+  source, tok: CharTokenizer, *, batch_size: int, seq_len: int, packing: bool, seed: int
+) -> grain.IterDataset:
   """Endless shuffled SFT batches; iterators expose get_state/set_state for exact resume."""
-  ds = (grain.MapDataset.source(source).seed(seed).shuffle().repeat(None)
-        .map(lambda r: encode_sft(to_example(r), tok, seq_len)))
+  ds = (
+    grain.MapDataset.source(source)
+    .seed(seed)
+    .shuffle()
+    .repeat(None)
+    .map(lambda r: encode_sft(to_example(r), tok, seq_len))
+  )
   it = ds.to_iter_dataset()
   if packing:
     it = gexp.FirstFitPackIterDataset(
-      it, length_struct={"tokens": seq_len, "loss_mask": seq_len}, num_packing_bins=batch_size,
-      seed=seed, shuffle_bins=False)
+      it,
+      length_struct={"tokens": seq_len, "loss_mask": seq_len},
+      num_packing_bins=batch_size,
+      seed=seed,
+      shuffle_bins=False,
+    )
     it = it.map(_rename_packed)
   else:
     it = it.map(lambda e: pad_row(e, seq_len))
@@ -54,9 +66,12 @@ def sft_dataset(source, tok: CharTokenizer, *, batch_size: int, seq_len: int, pa
 
 
 def _rename_packed(e):
-  return {"tokens": e["tokens"].astype(np.int32), "loss_mask": e["loss_mask"].astype(np.float32),
-          "positions": e["tokens_positions"].astype(np.int32),
-          "segment_ids": e["tokens_segment_ids"].astype(np.int32)}
+  return {
+    "tokens": e["tokens"].astype(np.int32),
+    "loss_mask": e["loss_mask"].astype(np.float32),
+    "positions": e["tokens_positions"].astype(np.int32),
+    "segment_ids": e["tokens_segment_ids"].astype(np.int32),
+  }
 
 
 def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
@@ -66,12 +81,13 @@ def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
     raise ValueError(f"a prompt of {max(map(len, rows))} tokens exceeds prompt_len={prompt_len}")
   out = np.full((len(rows), prompt_len), PAD, np.int32)
   for i, r in enumerate(rows):
-    out[i, :len(r)] = r
+    out[i, : len(r)] = r
   return out, np.asarray([len(r) for r in rows], np.int32)
 
 
-def prompt_dataset(source, tok: CharTokenizer, *, batch_size: int, prompt_len: int,
-                   seed: int) -> grain.IterDataset:
+def prompt_dataset(
+  source, tok: CharTokenizer, *, batch_size: int, prompt_len: int, seed: int
+) -> grain.IterDataset:
   """Endless shuffled prompt batches: prompts [B,P], prompt_lengths [B], prompt/answer texts."""
 
   def enc(r):
@@ -79,9 +95,12 @@ def prompt_dataset(source, tok: CharTokenizer, *, batch_size: int, prompt_len: i
     ids = tok.encode(ex.prompt, bos=True)
     if len(ids) > prompt_len:
       raise ValueError(f"prompt of {len(ids)} tokens exceeds prompt_len={prompt_len}")
-    return {"prompts": np.pad(np.asarray(ids, np.int32), (0, prompt_len - len(ids))),
-            "prompt_lengths": np.int32(len(ids)), "prompt_text": ex.prompt,
-            "answer_text": ex.answer}
+    return {
+      "prompts": np.pad(np.asarray(ids, np.int32), (0, prompt_len - len(ids))),
+      "prompt_lengths": np.int32(len(ids)),
+      "prompt_text": ex.prompt,
+      "answer_text": ex.answer,
+    }
 
   ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat(None).map(enc)
   return ds.to_iter_dataset().batch(batch_size, drop_remainder=True)

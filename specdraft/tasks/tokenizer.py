@@ -26,8 +26,10 @@ class CharTokenizer:
     try:
       ids = [self._to_id[ch] for ch in text]
     except KeyError as e:
-      raise ValueError(f"character {e.args[0]!r} in {text[:60]!r} is not in the tokenizer's "
-                       "alphabet (printable ASCII and newline)") from None
+      raise ValueError(
+        f"character {e.args[0]!r} in {text[:60]!r} is not in the tokenizer's "
+        "alphabet (printable ASCII and newline)"
+      ) from None
     return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
 
   def decode(self, ids, *, stop_at_eos: bool = True) -> str:

@@ -13,13 +13,17 @@ log = logging.getLogger(__name__)
 class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 2):
     self.mngr = ocp.CheckpointManager(
-      directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-      item_names=("state", "extra"))
+      directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+      item_names=("state", "extra"),
+    )
 
   def save(self, step: int, state, extra: dict) -> None:
     """Saves (state pytree, JSON extra such as the data iterator state); waits until durable."""
-    self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                 extra=ocp.args.JsonSave(extra)))
+    self.mngr.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra)),
+    )
     self.mngr.wait_until_finished()
 
   def restore_latest(self, abstract_state):
@@ -30,12 +34,18 @@ class Checkpointer:
     self.mngr.reload()
     for step in sorted(self.mngr.all_steps(), reverse=True):
       try:
-        out = self.mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()))
+        out = self.mngr.restore(
+          step,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()
+          ),
+        )
         return step, out["state"], out["extra"]
       except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint falls back
-        msg = (f"checkpoint at step {step} in {self.mngr.directory} is unreadable "
-               f"({type(e).__name__}: {str(e)[:200]}); falling back to the previous one")
+        msg = (
+          f"checkpoint at step {step} in {self.mngr.directory} is unreadable "
+          f"({type(e).__name__}: {str(e)[:200]}); falling back to the previous one"
+        )
         log.warning(msg)
         print("WARNING:", msg, flush=True)
     return None

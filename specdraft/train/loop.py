@@ -46,8 +46,12 @@ def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int):
   replicated = NamedSharding(mesh, P())
   # Moments follow their parameters; counters and other scalars are replicated on the mesh.
   opt_shardings = optax.tree_map_params(
-    tx, lambda _, s: s, jax.eval_shape(tx.init, abstract), shardings,
-    transform_non_params=lambda _: replicated)
+    tx,
+    lambda _, s: s,
+    jax.eval_shape(tx.init, abstract),
+    shardings,
+    transform_non_params=lambda _: replicated,
+  )
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   return {"step": step, "params": params, "opt_state": opt_state}
@@ -68,20 +72,37 @@ def prompt_len_for(task) -> int:
   return task.max_length() + 1  # BOS; a safe upper bound on any prompt
 
 
-def evaluate(params, pcfg, task, examples, *, batch_size: int, max_new_tokens: int,
-             prompt_len: int, sharding=None) -> dict:
+def evaluate(
+  params,
+  pcfg,
+  task,
+  examples,
+  *,
+  batch_size: int,
+  max_new_tokens: int,
+  prompt_len: int,
+  sharding=None,
+) -> dict:
   """Greedy accuracy (mean reward) on `examples`; batches are padded by repetition."""
   tok = CharTokenizer()
   rewards, samples = [], []
   for i in range(0, len(examples), batch_size):
-    chunk = examples[i:i + batch_size]
+    chunk = examples[i : i + batch_size]
     padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
     prompts, lengths = loader.prompt_batch(padded, tok, prompt_len)
     if sharding is not None:
-      prompts, lengths = jax.device_put((prompts, lengths), (sharding, sharding.update(
-        spec=P(*sharding.spec[:1]))))
-    gen = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(0),
-                                  max_new_tokens=max_new_tokens, temperature=0.0)
+      prompts, lengths = jax.device_put(
+        (prompts, lengths), (sharding, sharding.update(spec=P(*sharding.spec[:1])))
+      )
+    gen = autoregressive.generate(
+      params,
+      pcfg,
+      prompts,
+      lengths,
+      jax.random.key(0),
+      max_new_tokens=max_new_tokens,
+      temperature=0.0,
+    )
     toks = np.asarray(gen.tokens)
     for ex, row in zip(chunk, toks):
       completion = tok.decode(row)
@@ -96,8 +117,7 @@ def evaluate(params, pcfg, task, examples, *, batch_size: int, max_new_tokens: i
 
 def progress(iterable, **kw):
   """tqdm that redraws often on a terminal and rarely in a log file."""
-  return tqdm(iterable, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0,
-              **kw)
+  return tqdm(iterable, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0, **kw)
 
 
 class RunLog:
@@ -179,7 +199,8 @@ class Context:
   def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
     return ckpt_lib.Checkpointer(
       os.path.join(os.path.abspath(self.workdir), "checkpoints", phase),
-      keep=self.config.checkpoint.keep)
+      keep=self.config.checkpoint.keep,
+    )
 
   def log(self, name: str) -> RunLog:
     return RunLog(os.path.join(self.workdir, name))
@@ -202,22 +223,33 @@ def _restore(ckpt, state, data_iter, *logs):
 def sft_phase(ctx: Context, stop_after: int | None = None):
   """Supervised fine-tuning of the policy; returns (params, finished)."""
   c = ctx.config
-  batches = loader.sft_dataset(ctx.train_src, ctx.tok, batch_size=c.data.batch_size,
-                               seq_len=c.data.seq_len, packing=c.data.packing,
-                               seed=c.data.shuffle_seed)
+  batches = loader.sft_dataset(
+    ctx.train_src,
+    ctx.tok,
+    batch_size=c.data.batch_size,
+    seq_len=c.data.seq_len,
+    packing=c.data.packing,
+    seed=c.data.shuffle_seed,
+  )
   data_iter = iter(batches)
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
   state = init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
   sh = state_shardings(state)
-  train_step = jax.jit(functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx, mesh=ctx.mesh,
-                                         pipeline=ctx.pipeline),
-                       in_shardings=(sh, ctx.batch_sh), out_shardings=(sh, None),
-                       donate_argnums=0)
+  train_step = jax.jit(
+    functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx, mesh=ctx.mesh, pipeline=ctx.pipeline),
+    in_shardings=(sh, ctx.batch_sh),
+    out_shardings=(sh, None),
+    donate_argnums=0,
+  )
   mlog, elog = ctx.log("sft_metrics.jsonl"), ctx.log("eval.jsonl")
   ckpt = ctx.checkpointer("sft")
   start, state = _restore(ckpt, state, data_iter, mlog, elog)
-  eval_kw = dict(batch_size=c.eval.batch_size, max_new_tokens=c.decode.max_new_tokens,
-                 prompt_len=ctx.prompt_len, sharding=ctx.batch_sh)
+  eval_kw = dict(
+    batch_size=c.eval.batch_size,
+    max_new_tokens=c.decode.max_new_tokens,
+    prompt_len=ctx.prompt_len,
+    sharding=ctx.batch_sh,
+  )
 
   def run_eval(step):
     res = evaluate(state["params"], ctx.pcfg, ctx.task, ctx.eval_examples, **eval_kw)
@@ -258,17 +290,37 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
 
   def init(p):
     dparams = eagle3.init_params(ctx.dcfg, c.seed + 1, p, ctx.pcfg)
-    return {"step": jnp.zeros((), jnp.int32), "params": dparams, "opt_state": tx.init(dparams),
-            "key": jax.random.key_data(jax.random.key(c.seed + 2))}
+    return {
+      "step": jnp.zeros((), jnp.int32),
+      "params": dparams,
+      "opt_state": tx.init(dparams),
+      "key": jax.random.key_data(jax.random.key(c.seed + 2)),
+    }
 
   state = jax.jit(init, out_shardings=replicated)(params)
-  prompts = iter(loader.prompt_dataset(ctx.train_src, ctx.tok, batch_size=dc.batch_size,
-                                       prompt_len=ctx.prompt_len, seed=c.data.shuffle_seed + 1))
-  step_fn = jax.jit(functools.partial(
-    draft_lib.draft_iteration, pcfg=ctx.pcfg, dcfg=ctx.dcfg, tx=tx,
-    max_new_tokens=c.decode.max_new_tokens, temperature=dc.rollout_temperature, mesh=ctx.mesh,
-    pipeline=ctx.pipeline),
-    out_shardings=(replicated, None), donate_argnums=0)
+  prompts = iter(
+    loader.prompt_dataset(
+      ctx.train_src,
+      ctx.tok,
+      batch_size=dc.batch_size,
+      prompt_len=ctx.prompt_len,
+      seed=c.data.shuffle_seed + 1,
+    )
+  )
+  step_fn = jax.jit(
+    functools.partial(
+      draft_lib.draft_iteration,
+      pcfg=ctx.pcfg,
+      dcfg=ctx.dcfg,
+      tx=tx,
+      max_new_tokens=c.decode.max_new_tokens,
+      temperature=dc.rollout_temperature,
+      mesh=ctx.mesh,
+      pipeline=ctx.pipeline,
+    ),
+    out_shardings=(replicated, None),
+    donate_argnums=0,
+  )
   mlog = ctx.log("draft_metrics.jsonl")
   ckpt = ctx.checkpointer("draft")
   start, state = _restore(ckpt, state, prompts, mlog)
@@ -277,8 +329,11 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   bar = progress(range(start, last), desc="draft", initial=start, total=steps)
   for i in bar:
     pb = next(prompts)
-    state, metrics = step_fn(state, params, *mesh_lib.shard_batch(
-      (pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules))
+    state, metrics = step_fn(
+      state,
+      params,
+      *mesh_lib.shard_batch((pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules),
+    )
     step = i + 1
     if step % dc.log_every == 0 or step == steps:
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -296,10 +351,20 @@ def _rollout_fn(ctx: Context, mode: str, max_new_tokens: int, temperature: float
   """(params, dparams, prompts, lengths, key) -> Generation, for rollout.draft = mode."""
   if mode == "none":
     return lambda p, d, pr, ln, k: autoregressive.generate(
-      p, ctx.pcfg, pr, ln, k, max_new_tokens=max_new_tokens, temperature=temperature)
+      p, ctx.pcfg, pr, ln, k, max_new_tokens=max_new_tokens, temperature=temperature
+    )
   return lambda p, d, pr, ln, k: speculative.generate(
-    p, d, ctx.pcfg, ctx.dcfg, pr, ln, k, max_new_tokens=max_new_tokens, temperature=temperature,
-    num_draft=ctx.config.decode.num_draft)
+    p,
+    d,
+    ctx.pcfg,
+    ctx.dcfg,
+    pr,
+    ln,
+    k,
+    max_new_tokens=max_new_tokens,
+    temperature=temperature,
+    num_draft=ctx.config.decode.num_draft,
+  )
 
 
 def _scalar_metrics(metrics) -> dict:
@@ -322,15 +387,31 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
 
   def init(p, d):
     trainable = {"policy": p, "draft": d}
-    return {"step": jnp.zeros((), jnp.int32), "params": trainable, "opt_state": tx.init(trainable),
-            "key": jax.random.key_data(jax.random.key(c.seed + 3))}
+    return {
+      "step": jnp.zeros((), jnp.int32),
+      "params": trainable,
+      "opt_state": tx.init(trainable),
+      "key": jax.random.key_data(jax.random.key(c.seed + 3)),
+    }
 
   state = jax.jit(init)(params, dparams)
   ref_params = params if rl.beta > 0 else None
-  step_fn = jax.jit(functools.partial(
-    step_lib.cotrain_step, pcfg=ctx.pcfg, dcfg=ctx.dcfg, rl_cfg=rl, tx=tx, lam=rl.lam,
-    train_draft=train_draft, ref_params=ref_params, attn_impl=c.draft.attn_impl,
-    mesh=ctx.mesh, pipeline=ctx.pipeline), donate_argnums=0)
+  step_fn = jax.jit(
+    functools.partial(
+      step_lib.cotrain_step,
+      pcfg=ctx.pcfg,
+      dcfg=ctx.dcfg,
+      rl_cfg=rl,
+      tx=tx,
+      lam=rl.lam,
+      train_draft=train_draft,
+      ref_params=ref_params,
+      attn_impl=c.draft.attn_impl,
+      mesh=ctx.mesh,
+      pipeline=ctx.pipeline,
+    ),
+    donate_argnums=0,
+  )
   rollout = _rollout_fn(ctx, mode, N, rl.temperature)
 
   @jax.jit
@@ -339,13 +420,24 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
     gen = rollout(trainable["policy"], trainable["draft"], prompts, lengths, sub)
     return gen, join_prompt_completion(prompts, lengths, gen), jax.random.key_data(key)
 
-  prompts = iter(loader.prompt_dataset(ctx.train_src, ctx.tok, batch_size=n_prompts,
-                                       prompt_len=ctx.prompt_len, seed=c.data.shuffle_seed + 2))
+  prompts = iter(
+    loader.prompt_dataset(
+      ctx.train_src,
+      ctx.tok,
+      batch_size=n_prompts,
+      prompt_len=ctx.prompt_len,
+      seed=c.data.shuffle_seed + 2,
+    )
+  )
   mlog, elog = ctx.log("metrics.jsonl"), ctx.log("rl_eval.jsonl")
   ckpt = ctx.checkpointer("rl")
   start, state = _restore(ckpt, state, prompts, mlog, elog)
-  eval_kw = dict(batch_size=c.eval.batch_size, max_new_tokens=c.decode.max_new_tokens,
-                 prompt_len=ctx.prompt_len, sharding=ctx.batch_sh)
+  eval_kw = dict(
+    batch_size=c.eval.batch_size,
+    max_new_tokens=c.decode.max_new_tokens,
+    prompt_len=ctx.prompt_len,
+    sharding=ctx.batch_sh,
+  )
   if start == 0:
     res = evaluate(state["params"]["policy"], ctx.pcfg, ctx.task, ctx.eval_examples, **eval_kw)
     elog.write({"step": 0, "accuracy": res["accuracy"]})
@@ -357,25 +449,36 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
     ln = np.repeat(pb["prompt_lengths"], G, axis=0)
     t0 = time.perf_counter()
     gen, batch, key_data = jax.block_until_ready(
-      rollout_step(state["params"], state["key"], *jax.device_put((pr, ln), replicated)))
+      rollout_step(state["params"], state["key"], *jax.device_put((pr, ln), replicated))
+    )
     rollout_s = time.perf_counter() - t0
     texts = [ctx.tok.decode(row) for row in np.asarray(gen.tokens)]
-    exs = [Example(str(p), str(a)) for p, a in zip(np.repeat(pb["prompt_text"], G),
-                                                   np.repeat(pb["answer_text"], G))]
+    exs = [
+      Example(str(p), str(a))
+      for p, a in zip(np.repeat(pb["prompt_text"], G), np.repeat(pb["answer_text"], G))
+    ]
     rewards = np.asarray([ctx.task.reward(e, t) for e, t in zip(exs, texts)], np.float32)
-    batch = dict(batch, advantages=grpo.group_advantages(jnp.asarray(rewards), G,
-                                                         mode=rl.advantage))
+    batch = dict(
+      batch, advantages=grpo.group_advantages(jnp.asarray(rewards), G, mode=rl.advantage)
+    )
     state = dict(state, key=key_data)
     t1 = time.perf_counter()
-    state, metrics = jax.block_until_ready(step_fn(state, mesh_lib.shard_batch(batch, ctx.mesh, ctx.rules)))
+    state, metrics = jax.block_until_ready(
+      step_fn(state, mesh_lib.shard_batch(batch, ctx.mesh, ctx.rules))
+    )
     train_s = time.perf_counter() - t1
     st = jax.device_get(gen.stats)
     ntok = int(np.sum(gen.lengths))
     m = _scalar_metrics(metrics)
-    m.update(step=i + 1, reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards > 0)),
-             rollout_seconds=rollout_s, train_seconds=train_s,
-             policy_passes_per_token=int(st["policy_passes"]) * len(rewards) / max(ntok, 1),
-             mean_length=ntok / len(rewards))
+    m.update(
+      step=i + 1,
+      reward_mean=float(rewards.mean()),
+      accuracy=float(np.mean(rewards > 0)),
+      rollout_seconds=rollout_s,
+      train_seconds=train_s,
+      policy_passes_per_token=int(st["policy_passes"]) * len(rewards) / max(ntok, 1),
+      mean_length=ntok / len(rewards),
+    )
     if "tau_sum" in st:
       m["accept_len"] = float(st["tau_sum"] / max(st["row_rounds"], 1))
       m["accept_per_position"] = (st["accept_counts"] / np.maximum(st["reach_counts"], 1)).tolist()
@@ -406,13 +509,30 @@ def rollout_report(ctx: Context, params, dparams, *, temperature: float, repeats
   exs = ctx.eval_examples[:B] + [ctx.eval_examples[-1]] * max(0, B - len(ctx.eval_examples))
   prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
   kw = dict(max_new_tokens=c.decode.max_new_tokens)
-  run_ar = lambda key, t: autoregressive.generate(params, ctx.pcfg, prompts, lengths, key,
-                                                  temperature=t, **kw)
-  run_sd = lambda key, t: speculative.generate(params, dparams, ctx.pcfg, ctx.dcfg, prompts,
-                                               lengths, key, temperature=t,
-                                               num_draft=c.decode.num_draft, **kw)
-  greedy_equal = float(np.mean(np.all(np.asarray(run_ar(jax.random.key(0), 0.0).tokens) ==
-                                      np.asarray(run_sd(jax.random.key(0), 0.0).tokens), axis=1)))
+  run_ar = lambda key, t: autoregressive.generate(
+    params, ctx.pcfg, prompts, lengths, key, temperature=t, **kw
+  )
+  run_sd = lambda key, t: speculative.generate(
+    params,
+    dparams,
+    ctx.pcfg,
+    ctx.dcfg,
+    prompts,
+    lengths,
+    key,
+    temperature=t,
+    num_draft=c.decode.num_draft,
+    **kw,
+  )
+  greedy_equal = float(
+    np.mean(
+      np.all(
+        np.asarray(run_ar(jax.random.key(0), 0.0).tokens)
+        == np.asarray(run_sd(jax.random.key(0), 0.0).tokens),
+        axis=1,
+      )
+    )
+  )
   times = {"ar": [], "sd": []}
   outs = {}
   jax.block_until_ready(run_ar(jax.random.key(1), temperature))  # compile
@@ -442,28 +562,45 @@ def _plots(ctx: Context):
   drows = ctx.log("draft_metrics.jsonl").read()
   pdir = os.path.join(ctx.workdir, "plots")
   if mrows:
-    plot_curves(os.path.join(pdir, "sft_loss.png"),
-                {"loss": ([r["step"] for r in mrows], [r["loss"] for r in mrows])},
-                title="SFT loss", ylabel="cross-entropy (answer tokens)")
+    plot_curves(
+      os.path.join(pdir, "sft_loss.png"),
+      {"loss": ([r["step"] for r in mrows], [r["loss"] for r in mrows])},
+      title="SFT loss",
+      ylabel="cross-entropy (answer tokens)",
+    )
   if erows:
-    plot_curves(os.path.join(pdir, "eval_accuracy.png"),
-                {"greedy": ([r["step"] for r in erows], [r["accuracy"] for r in erows])},
-                title=f"held-out greedy accuracy ({ctx.config.task.name})", ylabel="accuracy")
+    plot_curves(
+      os.path.join(pdir, "eval_accuracy.png"),
+      {"greedy": ([r["step"] for r in erows], [r["accuracy"] for r in erows])},
+      title=f"held-out greedy accuracy ({ctx.config.task.name})",
+      ylabel="accuracy",
+    )
   rrows = ctx.log("metrics.jsonl").read()
   if rrows:
     steps = [r["step"] for r in rrows]
-    plot_curves(os.path.join(pdir, "reward.png"),
-                {"reward": (steps, [r["reward_mean"] for r in rrows])},
-                title=f"RL reward (rollout.draft={ctx.config.rollout.draft})", ylabel="mean reward")
-    plot_curves(os.path.join(pdir, "accept_len.png"),
-                {"tau": (steps, [r["accept_len"] for r in rrows])},
-                title="accepted length per SD round (tau)", ylabel="tau")
+    plot_curves(
+      os.path.join(pdir, "reward.png"),
+      {"reward": (steps, [r["reward_mean"] for r in rrows])},
+      title=f"RL reward (rollout.draft={ctx.config.rollout.draft})",
+      ylabel="mean reward",
+    )
+    plot_curves(
+      os.path.join(pdir, "accept_len.png"),
+      {"tau": (steps, [r["accept_len"] for r in rrows])},
+      title="accepted length per SD round (tau)",
+      ylabel="tau",
+    )
   if drows:
     K = ctx.dcfg.ttt_steps
-    plot_curves(os.path.join(pdir, "draft_ttt_acc.png"),
-                {f"step {k}": ([r["step"] for r in drows], [r[f"ttt_acc_{k}"] for r in drows])
-                 for k in range(0, K, max(1, K // 4))},
-                title="draft agreement with the policy (TTT steps)", ylabel="top-1 agreement")
+    plot_curves(
+      os.path.join(pdir, "draft_ttt_acc.png"),
+      {
+        f"step {k}": ([r["step"] for r in drows], [r[f"ttt_acc_{k}"] for r in drows])
+        for k in range(0, K, max(1, K // 4))
+      },
+      title="draft agreement with the policy (TTT steps)",
+      ylabel="top-1 agreement",
+    )
 
 
 def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | None = None) -> dict:
@@ -484,31 +621,41 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   if done and config.rl.steps > 0:
     state, done = rl_phase(ctx, params, dparams, stop.get("rl"))
     params, dparams = state["params"]["policy"], state["params"]["draft"]
-  summary = {"task": config.task.name, "layout": config.parallel.name,
-             "rollout_draft": config.rollout.draft}
+  summary = {
+    "task": config.task.name,
+    "layout": config.parallel.name,
+    "rollout_draft": config.rollout.draft,
+  }
   if done and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
-    summary["rollout"] = rollout_report(ctx, params, dparams,
-                                        temperature=config.eval.sd_temperature)
+    summary["rollout"] = rollout_report(
+      ctx, params, dparams, temperature=config.eval.sd_temperature
+    )
   _plots(ctx)
   read = lambda name: ctx.log(name).read()
   erows, mrows, drows = read("eval.jsonl"), read("sft_metrics.jsonl"), read("draft_metrics.jsonl")
   rrows, rerows = read("metrics.jsonl"), read("rl_eval.jsonl")
-  summary.update({
-    "sft_steps": mrows[-1]["step"] if mrows else 0,
-    "accuracy_before": erows[0]["accuracy"] if erows else None,
-    "accuracy_after_sft": erows[-1]["accuracy"] if erows else None,
-    "draft_steps": drows[-1]["step"] if drows else 0,
-    "draft_loss": drows[-1]["draft_loss"] if drows else None,
-    "rl_steps": rrows[-1]["step"] if rrows else 0,
-  })
+  summary.update(
+    {
+      "sft_steps": mrows[-1]["step"] if mrows else 0,
+      "accuracy_before": erows[0]["accuracy"] if erows else None,
+      "accuracy_after_sft": erows[-1]["accuracy"] if erows else None,
+      "draft_steps": drows[-1]["step"] if drows else 0,
+      "draft_loss": drows[-1]["draft_loss"] if drows else None,
+      "rl_steps": rrows[-1]["step"] if rrows else 0,
+    }
+  )
   if rrows:
     k = max(1, len(rrows) // 5)  # average the first and last fifth: single steps are noisy
     mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
-    summary.update({
-      "reward_first": mean(rrows[:k], "reward_mean"), "reward_last": mean(rrows[-k:], "reward_mean"),
-      "tau_first": mean(rrows[:k], "accept_len"), "tau_last": mean(rrows[-k:], "accept_len"),
-      "accuracy_after_rl": rerows[-1]["accuracy"] if rerows else None,
-    })
+    summary.update(
+      {
+        "reward_first": mean(rrows[:k], "reward_mean"),
+        "reward_last": mean(rrows[-k:], "reward_mean"),
+        "tau_first": mean(rrows[:k], "accept_len"),
+        "tau_last": mean(rrows[-k:], "accept_len"),
+        "accuracy_after_rl": rerows[-1]["accuracy"] if rerows else None,
+      }
+    )
   summary["wall_seconds"] = time.time() - t_start
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -518,21 +665,28 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
 def summary_table(summary: dict) -> str:
   """A human-readable table of a run's summary."""
   f = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
-  rows = [("task", summary.get("task")), ("rollout draft", summary.get("rollout_draft")),
-          ("greedy accuracy: before SFT", summary.get("accuracy_before")),
-          ("greedy accuracy: after SFT", summary.get("accuracy_after_sft")),
-          ("greedy accuracy: after RL", summary.get("accuracy_after_rl")),
-          ("RL reward: first steps", summary.get("reward_first")),
-          ("RL reward: last steps", summary.get("reward_last")),
-          ("tau: first RL steps", summary.get("tau_first")),
-          ("tau: last RL steps", summary.get("tau_last"))]
+  rows = [
+    ("task", summary.get("task")),
+    ("rollout draft", summary.get("rollout_draft")),
+    ("greedy accuracy: before SFT", summary.get("accuracy_before")),
+    ("greedy accuracy: after SFT", summary.get("accuracy_after_sft")),
+    ("greedy accuracy: after RL", summary.get("accuracy_after_rl")),
+    ("RL reward: first steps", summary.get("reward_first")),
+    ("RL reward: last steps", summary.get("reward_last")),
+    ("tau: first RL steps", summary.get("tau_first")),
+    ("tau: last RL steps", summary.get("tau_last")),
+  ]
   r = summary.get("rollout")
   if r:
-    rows += [(f"SD vs AR (T={r['temperature']}): tau", r["tau"]),
-             ("SD vs AR: rollout speedup", r["speedup"]),
-             ("SD vs AR: policy passes/token", f"{r['sd_policy_passes_per_token']:.3f} vs "
-                                               f"{r['ar_policy_passes_per_token']:.3f}"),
-             ("greedy SD == AR (fraction of rows)", r["greedy_equal"])]
+    rows += [
+      (f"SD vs AR (T={r['temperature']}): tau", r["tau"]),
+      ("SD vs AR: rollout speedup", r["speedup"]),
+      (
+        "SD vs AR: policy passes/token",
+        f"{r['sd_policy_passes_per_token']:.3f} vs {r['ar_policy_passes_per_token']:.3f}",
+      ),
+      ("greedy SD == AR (fraction of rows)", r["greedy_equal"]),
+    ]
   rows.append(("wall time (s)", summary.get("wall_seconds")))
   w = max(len(k) for k, _ in rows)
   return "\n".join(["", "Summary", "-" * (w + 14)] + [f"{k:<{w}}  {f(v)}" for k, v in rows])

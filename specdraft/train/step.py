@@ -15,11 +15,16 @@ def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
   """AdamW with linear warm-up, cosine decay and global-norm clipping."""
   warmup = min(int(opt_cfg.warmup_steps), max(total_steps - 1, 0))
   sched = optax.warmup_cosine_decay_schedule(
-    0.0, opt_cfg.lr, warmup_steps=max(warmup, 1), decay_steps=max(total_steps, warmup + 1),
-    end_value=opt_cfg.lr * 0.1)
+    0.0,
+    opt_cfg.lr,
+    warmup_steps=max(warmup, 1),
+    decay_steps=max(total_steps, warmup + 1),
+    end_value=opt_cfg.lr * 0.1,
+  )
   return optax.chain(
     optax.clip_by_global_norm(opt_cfg.grad_clip),
-    optax.adamw(sched, b2=opt_cfg.b2, weight_decay=opt_cfg.weight_decay))
+    optax.adamw(sched, b2=opt_cfg.b2, weight_decay=opt_cfg.weight_decay),
+  )
 
 
 def token_logprobs(logits_BSV, targets_BS):
@@ -35,8 +40,9 @@ def next_token_targets(batch):
   """
   tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  same = jnp.concatenate([(seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0),
-                          jnp.zeros_like(seg[:, :1], bool)], axis=1)
+  same = jnp.concatenate(
+    [(seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0), jnp.zeros_like(seg[:, :1], bool)], axis=1
+  )
   w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1) * same
   return targets, w.astype(jnp.float32)
 
@@ -56,18 +62,21 @@ def sft_loss(params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None):
   if pipeline is not None:
     from specdraft.model import pipelined
 
-    on_last_stage = lambda theta, extra, logits, taps, batch, ref_logits: sft_objective(logits,
-                                                                                        batch)
+    on_last_stage = lambda theta, extra, logits, taps, batch, ref_logits: sft_objective(
+      logits, batch
+    )
     return pipelined.loss(params, None, batch, on_last_stage, pcfg=cfg, mesh=mesh, spec=pipeline)
   logits, _ = pol.forward(params, cfg, batch["tokens"], batch["positions"], batch["segment_ids"])
   return sft_objective(logits, batch)
 
 
-def sft_step(state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransformation, mesh=None,
-             pipeline=None):
+def sft_step(
+  state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransformation, mesh=None, pipeline=None
+):
   """One pure SFT step on a state dict {step, params, opt_state}."""
   (_, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
-    state["params"], cfg, batch, mesh=mesh, pipeline=pipeline)
+    state["params"], cfg, batch, mesh=mesh, pipeline=pipeline
+  )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
@@ -78,17 +87,23 @@ def sft_step(state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransform
 
 
 def _adamw(cfg, lr):
-  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                     optax.adamw(lr, b2=cfg.b2, weight_decay=cfg.weight_decay))
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.grad_clip),
+    optax.adamw(lr, b2=cfg.b2, weight_decay=cfg.weight_decay),
+  )
 
 
 def make_cotrain_optimizer(rl_cfg, draft_cfg, *, train_draft: bool = True):
   """One optax update for both parameter sets: per-partition clipping and learning rates, so the
   draft's large early gradients never shrink the policy update through a shared global clip."""
-  draft_tx = (optax.chain(optax.clip_by_global_norm(draft_cfg.grad_clip),
-                          optax.adamw(draft_cfg.cotrain_lr, b2=draft_cfg.b2,
-                                      weight_decay=draft_cfg.weight_decay))
-              if train_draft else optax.set_to_zero())
+  draft_tx = (
+    optax.chain(
+      optax.clip_by_global_norm(draft_cfg.grad_clip),
+      optax.adamw(draft_cfg.cotrain_lr, b2=draft_cfg.b2, weight_decay=draft_cfg.weight_decay),
+    )
+    if train_draft
+    else optax.set_to_zero()
+  )
   labels = lambda params: {k: jax.tree.map(lambda _: k, v) for k, v in params.items()}
   return optax.multi_transform({"policy": _adamw(rl_cfg, rl_cfg.lr), "draft": draft_tx}, labels)
 
@@ -108,8 +123,22 @@ def entropy_of(logits_BSV, mask_BS):
   return jnp.sum(ent * m) / jnp.maximum(m.sum(), 1.0)
 
 
-def cotrain_objective(theta, phi, logits, taps, batch, ref_logp=None, *, pcfg, dcfg, rl_cfg,
-                      lam: float, train_draft: bool = True, attn_impl: str = "dense", mesh=None):
+def cotrain_objective(
+  theta,
+  phi,
+  logits,
+  taps,
+  batch,
+  ref_logp=None,
+  *,
+  pcfg,
+  dcfg,
+  rl_cfg,
+  lam: float,
+  train_draft: bool = True,
+  attn_impl: str = "dense",
+  mesh=None,
+):
   """L_RL + lam * L_draft from the policy's logits and (stop-gradient) taps of ONE forward.
 
   Shared by the single-program step and the pipelined one (where it runs on the last stage)."""
@@ -118,26 +147,55 @@ def cotrain_objective(theta, phi, logits, taps, batch, ref_logp=None, *, pcfg, d
 
   logp = completion_logprobs(logits, batch["tokens"])
   rl_loss, metrics = grpo.policy_loss(
-    logp, batch["logprobs"], batch["advantages"], batch["loss_mask"], eps_low=rl_cfg.eps_low,
-    eps_high=rl_cfg.eps_high, aggregation=rl_cfg.aggregation,
-    max_tokens=batch["tokens"].shape[1], ref_logp_NS=ref_logp, beta=rl_cfg.beta,
-    kl_estimator=rl_cfg.kl_estimator)
+    logp,
+    batch["logprobs"],
+    batch["advantages"],
+    batch["loss_mask"],
+    eps_low=rl_cfg.eps_low,
+    eps_high=rl_cfg.eps_high,
+    aggregation=rl_cfg.aggregation,
+    max_tokens=batch["tokens"].shape[1],
+    ref_logp_NS=ref_logp,
+    beta=rl_cfg.beta,
+    kl_estimator=rl_cfg.kl_estimator,
+  )
   metrics["entropy"] = jax.lax.stop_gradient(entropy_of(logits, batch["loss_mask"]))
   total = rl_loss
   if train_draft:
-    draft_loss, dm = eagle3.ttt_loss(phi, dcfg, theta["embed"], taps.layers,
-                                     jax.lax.stop_gradient(logits), batch["tokens"],
-                                     batch["positions"], batch["segment_ids"], batch["loss_mask"],
-                                     attn_impl=attn_impl, mesh=mesh)
+    draft_loss, dm = eagle3.ttt_loss(
+      phi,
+      dcfg,
+      theta["embed"],
+      taps.layers,
+      jax.lax.stop_gradient(logits),
+      batch["tokens"],
+      batch["positions"],
+      batch["segment_ids"],
+      batch["loss_mask"],
+      attn_impl=attn_impl,
+      mesh=mesh,
+    )
     metrics.update(dm)
     total = total + lam * draft_loss
   metrics["loss"] = total
   return total, metrics
 
 
-def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draft: bool = True,
-                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
-                 mesh=None, pipeline=None):
+def cotrain_loss(
+  trainable,
+  batch,
+  *,
+  pcfg,
+  dcfg,
+  rl_cfg,
+  lam: float,
+  train_draft: bool = True,
+  ref_params=None,
+  stop_tap_gradient: bool = True,
+  attn_impl: str = "dense",
+  mesh=None,
+  pipeline=None,
+):
   """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
 
   `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
@@ -148,44 +206,95 @@ def cotrain_loss(trainable, batch, *, pcfg, dcfg, rl_cfg, lam: float, train_draf
   """
   theta, phi = trainable["policy"], trainable["draft"]
   use_ref = ref_params is not None and rl_cfg.beta > 0
-  objective = functools.partial(cotrain_objective, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
-                                train_draft=train_draft, attn_impl=attn_impl,
-                                mesh=None if pipeline is not None else mesh)
+  objective = functools.partial(
+    cotrain_objective,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=rl_cfg,
+    lam=lam,
+    train_draft=train_draft,
+    attn_impl=attn_impl,
+    mesh=None if pipeline is not None else mesh,
+  )
   if pipeline is not None:
     from specdraft.model import pipelined
 
     if attn_impl != "dense":
-      raise ValueError(f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
-                       "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')")
+      raise ValueError(
+        f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
+        "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')"
+      )
 
     def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
       ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
       return objective(theta, phi, logits, taps, batch, ref_logp)
 
-    return pipelined.loss(theta, phi, batch, on_last_stage, pcfg=pcfg, mesh=mesh, spec=pipeline,
-                          stop_tap_gradient=stop_tap_gradient,
-                          ref_theta=ref_params if use_ref else None)
-  logits, taps = pol.forward(theta, pcfg, batch["tokens"], batch["positions"],
-                             batch["segment_ids"], stop_tap_gradient=stop_tap_gradient)
+    return pipelined.loss(
+      theta,
+      phi,
+      batch,
+      on_last_stage,
+      pcfg=pcfg,
+      mesh=mesh,
+      spec=pipeline,
+      stop_tap_gradient=stop_tap_gradient,
+      ref_theta=ref_params if use_ref else None,
+    )
+  logits, taps = pol.forward(
+    theta,
+    pcfg,
+    batch["tokens"],
+    batch["positions"],
+    batch["segment_ids"],
+    stop_tap_gradient=stop_tap_gradient,
+  )
   ref_logp = None
   if use_ref:
-    ref_logits, _ = pol.forward(jax.lax.stop_gradient(ref_params), pcfg, batch["tokens"],
-                                batch["positions"], batch["segment_ids"])
+    ref_logits, _ = pol.forward(
+      jax.lax.stop_gradient(ref_params),
+      pcfg,
+      batch["tokens"],
+      batch["positions"],
+      batch["segment_ids"],
+    )
     ref_logp = completion_logprobs(ref_logits, batch["tokens"])
   return objective(theta, phi, logits, taps, batch, ref_logp)
 
 
-def cotrain_step(state, batch, *, pcfg, dcfg, rl_cfg, tx, lam: float, train_draft: bool = True,
-                 ref_params=None, stop_tap_gradient: bool = True, attn_impl: str = "dense",
-                 mesh=None, pipeline=None):
+def cotrain_step(
+  state,
+  batch,
+  *,
+  pcfg,
+  dcfg,
+  rl_cfg,
+  tx,
+  lam: float,
+  train_draft: bool = True,
+  ref_params=None,
+  stop_tap_gradient: bool = True,
+  attn_impl: str = "dense",
+  mesh=None,
+  pipeline=None,
+):
   """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}.
 
   `attn_impl`/`mesh` select the draft's branch attention ("ring" or "allgather" over the mesh's
   'cp' axis for long contexts); `pipeline` (a PipelineSpec) pipelines the policy over 'pp'."""
   (_, metrics), grads = jax.value_and_grad(cotrain_loss, has_aux=True)(
-    state["params"], batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam,
-    train_draft=train_draft, ref_params=ref_params, stop_tap_gradient=stop_tap_gradient,
-    attn_impl=attn_impl, mesh=mesh, pipeline=pipeline)
+    state["params"],
+    batch,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=rl_cfg,
+    lam=lam,
+    train_draft=train_draft,
+    ref_params=ref_params,
+    stop_tap_gradient=stop_tap_gradient,
+    attn_impl=attn_impl,
+    mesh=mesh,
+    pipeline=pipeline,
+  )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
   metrics["draft_grad_norm"] = optax.tree.norm(grads["draft"])
