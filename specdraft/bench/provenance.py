@@ -1,0 +1,213 @@
+"""Provenance for every results file: what ran, from which commit, when, on what, against which
+goals (fixed in the config before the run).
+
+Every benchmark and experiment writes its results through `write_results`, which puts at the top
+level of the JSON object:
+
+  command   the exact command line (interpreter, script, flags)
+  commit    `git rev-parse HEAD` at run time, and `dirty` (uncommitted changes present)
+  date      UTC, ISO 8601
+  versions  python, jax, jaxlib; `backend`, `devices`, `cpu_count`, `cpu` (processor model)
+  goals     the goals as fixed in the config *before* the run, each with its measured value and
+            pass/fail (`evaluate_goals`)
+
+Results destined for the repository (anything under docs/results/) may only be written from a
+clean work tree: `check_workdir` refuses a dirty one before the run starts, and `write_results`
+refuses again at the end, so a committed figure always names a commit that produced it.
+
+A goal is config data: `{"metric": "<key into the measured dict>", "op": "<=", "target": 1.03,
+"what": "a sentence"}`; `op` is one of `<=`, `<`, `>=`, `>`, `==`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import operator
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt, "==": operator.eq}
+HEADER_KEYS = (
+  "command",
+  "commit",
+  "dirty",
+  "date",
+  "python",
+  "jax",
+  "jaxlib",
+  "backend",
+  "devices",
+  "cpu_count",
+  "cpu",
+)
+
+
+def repo_root() -> str:
+  return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _git(*args: str, cwd: str | None = None) -> str | None:
+  try:
+    out = subprocess.run(
+      ["git", *args], cwd=cwd or repo_root(), capture_output=True, text=True, check=True
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return out.stdout.strip()
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+  return _git("rev-parse", "HEAD", cwd=cwd)
+
+
+def git_dirty(cwd: str | None = None) -> bool:
+  """True when tracked files differ from HEAD or untracked, non-ignored files exist."""
+  status = _git("status", "--porcelain", cwd=cwd)
+  return status is None or bool(status)
+
+
+def is_repo_results_dir(workdir: str) -> bool:
+  """Whether `workdir` lies under <repo>/docs/results (figures that the docs quote)."""
+  results = os.path.realpath(os.path.join(repo_root(), "docs", "results"))
+  path = os.path.realpath(workdir)
+  return path == results or path.startswith(results + os.sep)
+
+
+def check_workdir(workdir: str) -> None:
+  """Refuses, before any work, to write repository results from an uncommitted tree."""
+  if is_repo_results_dir(workdir) and git_dirty():
+    raise RuntimeError(
+      f"--workdir={workdir} is under docs/results, but the work tree has uncommitted changes "
+      "(git status --porcelain is not empty). Commit first (results must name the commit that "
+      "produced them), or write to a directory outside docs/results."
+    )
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def header(command: list[str] | None = None) -> dict[str, Any]:
+  """The provenance fields (see module docstring); jax is imported lazily."""
+  import jax
+  import jaxlib
+
+  argv = sys.argv if command is None else command
+  return {
+    "command": shlex.join(["python", *argv]),
+    "commit": git_commit(),
+    "dirty": git_dirty(),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "backend": jax.default_backend(),
+    "devices": jax.device_count(),
+    "cpu_count": os.cpu_count(),
+    "cpu": _cpu_model(),
+  }
+
+
+def _lookup(measured: Mapping[str, Any], key: str):
+  """`a.b.c` walks nested mappings."""
+  value: Any = measured
+  for part in key.split("."):
+    if not isinstance(value, Mapping) or part not in value:
+      raise KeyError(f"goal metric {key!r}: {part!r} is not in the measured results")
+    value = value[part]
+  return value
+
+
+def evaluate_goals(goals: Mapping[str, Mapping[str, Any]], measured: Mapping[str, Any]) -> dict:
+  """Each goal (as fixed in the config) with its measured value and `met` (bool)."""
+  out = {}
+  for name, goal in goals.items():
+    goal = dict(goal)
+    op = goal.get("op")
+    if op not in OPS:
+      raise ValueError(f"goal {name!r}: op={op!r} is invalid; valid ops: {sorted(OPS)}")
+    value = _lookup(measured, goal["metric"])
+    met = value is not None and not (isinstance(value, float) and math.isnan(value))
+    met = bool(met and OPS[op](value, goal["target"]))
+    out[name] = {**goal, "value": value, "met": met}
+  return out
+
+
+def goals_from_config(goals) -> dict:
+  """A ConfigDict/dict of goals as plain dicts (so they serialise as fixed before the run)."""
+  if goals is None:
+    return {}
+  if hasattr(goals, "to_dict"):
+    goals = goals.to_dict()
+  return {k: dict(v) for k, v in goals.items()}
+
+
+def write_results(
+  workdir: str,
+  payload: Mapping[str, Any],
+  *,
+  goals: Mapping[str, Mapping[str, Any]] | None = None,
+  measured: Mapping[str, Any] | None = None,
+  filename: str = "results.json",
+  command: list[str] | None = None,
+) -> dict:
+  """Writes `{header..., goals, **payload}` to workdir/filename; returns the object written.
+
+  `goals` are evaluated against `measured` (default: the payload). Refuses a dirty tree when
+  `workdir` is under docs/results.
+  """
+  check_workdir(workdir)
+  clash = set(payload) & set((*HEADER_KEYS, "goals"))
+  if clash:
+    raise ValueError(f"results payload may not set provenance keys {sorted(clash)}")
+  out = header(command)
+  out["goals"] = evaluate_goals(goals or {}, payload if measured is None else measured)
+  out.update(payload)
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, filename)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(out, f, indent=2, default=_jsonable)
+    f.write("\n")
+  os.replace(tmp, path)
+  return out
+
+
+def _jsonable(x):
+  try:
+    import numpy as np
+
+    if isinstance(x, np.generic):
+      return x.item()
+    if isinstance(x, np.ndarray):
+      return x.tolist()
+  except ImportError:
+    pass
+  if isinstance(x, tuple | set):
+    return list(x)
+  raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def goals_table(goals: Mapping[str, Mapping[str, Any]]) -> str:
+  """A markdown table of goals: what, target, measured, met."""
+  lines = ["| goal | target | measured | met |", "|---|---|---|---|"]
+  for name, g in goals.items():
+    v = g["value"]
+    v = f"{v:.4g}" if isinstance(v, float) else v
+    what = g.get("what", name)
+    lines.append(f"| {what} | {g['op']} {g['target']} | {v} | {'yes' if g['met'] else 'NO'} |")
+  return "\n".join(lines)
