@@ -3,10 +3,13 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (
-  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdraft import devices  # noqa: E402  (imports no JAX)
+
+# The benchmark builds its own meshes of up to 8 devices; on CPU they are simulated (before JAX
+# is imported: XLA reads the device count once).
+devices.simulate_cpu_devices(sys.argv, count=8)
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402

@@ -5,6 +5,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from specdraft import devices  # noqa: E402  (imports no JAX)
+
+# On CPU, simulate the devices the chosen layout needs (before JAX is imported: XLA reads the
+# device count once). Not under a multi-process launch, on GPU/TPU, or over a count already set.
+devices.simulate_cpu_devices(sys.argv)
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 

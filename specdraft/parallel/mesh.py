@@ -22,30 +22,66 @@ def mesh_shape(parallel_cfg) -> tuple[int, ...]:
   return tuple(int(sizes.get(a, 1)) for a in AXES)
 
 
+HOW_TO_GET_DEVICES = (
+  "On CPU, experiments/*.py simulate the devices a layout needs by themselves; in your own "
+  "process set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is imported. On "
+  "GPU/TPU, choose a layout whose axis sizes multiply to your device count, or set "
+  "parallel.devices to use the first N devices."
+)
+
+
+def _describe(parallel_cfg) -> str:
+  shape = mesh_shape(parallel_cfg)
+  sizes = ", ".join(f"{a}={s}" for a, s in zip(AXES, shape) if s > 1) or "all axes 1"
+  return f"parallel.layout={parallel_cfg.get('name', '?')!r} ({sizes})"
+
+
 def mesh_devices(parallel_cfg, num_devices: int | None = None) -> int:
   """How many devices the mesh must cover: `parallel.devices` (0 = all, else a count)."""
   n = jax.device_count() if num_devices is None else num_devices
   want = parallel_cfg.get("devices", 0)
   if want == 0:
     return n
-  if not isinstance(want, int) or not 1 <= want <= n:
+  if not isinstance(want, int) or want < 1:
     raise ValueError(
       f"parallel.devices={want!r} is invalid: expected 0 (all devices) or a count in [1, {n}]"
+    )
+  if want > n:
+    raise ValueError(
+      f"parallel.devices={want!r} is invalid: {_describe(parallel_cfg)} asks for {want} devices "
+      f"but this process has {n} ({_platform()}). {HOW_TO_GET_DEVICES}"
     )
   return want
 
 
+def _platform() -> str:
+  try:
+    return f"{jax.default_backend()} backend"
+  except RuntimeError:  # no backend could start; the count alone is still worth reporting
+    return "no backend"
+
+
 def check_mesh(parallel_cfg, num_devices: int | None = None) -> None:
+  """Raises (before anything compiles) unless the layout's mesh covers exactly its devices.
+
+  The message names the layout, the devices it needs and has, and how to get them.
+  """
   n = mesh_devices(parallel_cfg, num_devices)
-  shape = mesh_shape(parallel_cfg)
-  if math.prod(shape) != n:
-    desc = ", ".join(f"{a}={s}" for a, s in zip(AXES, shape) if s > 1) or "all axes 1"
+  size = math.prod(mesh_shape(parallel_cfg))
+  if size == n:
+    return
+  have = jax.device_count() if num_devices is None else num_devices
+  if size > have:
     raise ValueError(
-      f"parallel.layout={parallel_cfg.get('name', '?')!r} has mesh size "
-      f"{math.prod(shape)} ({desc}) but it must cover {n} devices "
-      f"(parallel.devices={parallel_cfg.get('devices', 0)!r}); choose a "
-      "layout whose axis sizes multiply to that count, or set parallel.devices"
+      f"{_describe(parallel_cfg)} needs {size} devices but this process has {have} "
+      f"({_platform()}). {HOW_TO_GET_DEVICES}"
     )
+  raise ValueError(
+    f"{_describe(parallel_cfg)} has mesh size {size} but it must cover {n} devices "
+    f"(parallel.devices={parallel_cfg.get('devices', 0)!r}, 0 = every device of the {have}). "
+    f"Set parallel.devices={size} to use the first {size}, or choose a layout whose axis sizes "
+    f"multiply to {n}."
+  )
 
 
 def make_mesh(parallel_cfg, devices=None) -> jax.sharding.Mesh:
