@@ -138,5 +138,8 @@ def simulate_cpu_devices(
     return None
   environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {COUNT_FLAG}={n}".strip()
   if not quiet:
-    print(f"specdraft: simulating {n} CPU devices for {what} ({COUNT_FLAG}={n})", file=sys.stderr)
+    print(
+      f"specdraft: simulating {n} CPU devices for {what}: XLA_FLAGS={COUNT_FLAG}={n}",
+      file=sys.stderr,
+    )
   return n

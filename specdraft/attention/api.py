@@ -35,7 +35,7 @@ def check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch):
 def branch_attention(
   q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="dense", mesh=None, cp_axis="cp"
 ):
-  """Trunk + branch attention (DESIGN.md "Branch attention").
+  """Trunk + branch attention (docs/design.md "Branch attention").
 
   Args (natural token order): q [B,S,H,D]; k, v [B,S,K,D]; q_br [B,S,W,H,D];
     k_br, v_br [B,S,W,K,D]; segment_ids [B,S] int32 (0 = padding).

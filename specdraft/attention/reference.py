@@ -73,7 +73,7 @@ def causal_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS, positions_BS=None):
 def branch_attention_dense(
   q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, *, branch
 ):
-  """Trunk + branch attention exactly as DESIGN.md "Branch attention"; float32 outputs.
+  """Trunk + branch attention exactly as docs/design.md "Branch attention"; float32 outputs.
 
   Trunk query t sees trunk keys s <= t. Branch query (t, j) sees trunk keys s <= t ("ttt") or
   s < t ("block"), and its own branch keys (t, i) with i <= j ("ttt") or all i ("block").

@@ -1,1 +1,1 @@
-"""Decoding: autoregressive generation (speculative decoding joins in a later issue)."""
+"""Decoding: autoregressive and speculative generation, lossless rejection sampling."""

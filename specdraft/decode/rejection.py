@@ -1,4 +1,4 @@
-"""Lossless verification by rejection sampling (DESIGN.md "Rejection sampling").
+"""Lossless verification by rejection sampling (docs/design.md "Speculative decoding").
 
 The exact probabilities (`acceptance_probs`, `final_distributions`) are separate from the random
 draws (`rejection_sample`), so tests can enumerate the former exactly and sample the latter.

@@ -1,1 +1,1 @@
-"""Models: the policy LM (drafts join in later issues)."""
+"""Models: the policy LM (policy.py), the EAGLE-3 draft (eagle3.py) and the pipelined policy."""

@@ -1,1 +1,1 @@
-"""Parallelism: meshes, named layouts (model-agnostic)."""
+"""Parallelism (model-agnostic): named layouts, meshes, zigzag CP layout, GPipe, TapChannel."""

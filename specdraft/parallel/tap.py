@@ -7,7 +7,7 @@ in one buffer; the channel sends that buffer with ONE single-pair `ppermute` per
 `(s, P-1)` (ppermute cannot fan in, so sources never share an op), on a path of its own: the
 main activation shift is the same program with the channel on or off. The last stage keeps
 what arrives in a receiver buffer indexed by microbatch `[M, N, ...]`; iterations in which a
-source stage works on the pipeline bubble are masked out.
+source stage works on the pipeline bubble write to an extra row that is dropped.
 
 Modes
   off     no transfer; remote slots of the receiver buffer stay zero (a control for timing)

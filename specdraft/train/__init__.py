@@ -1,1 +1,1 @@
-"""Training: steps, loops and checkpoints."""
+"""Training: SFT and co-training steps, draft distillation, the run and checkpoints."""
