@@ -28,6 +28,23 @@ def get_config(arg: str | None = None):
     tile=512,
     work_tokens=262144,
   )
+  # Fixed before the run (copied into results.json with pass/fail): the ring's per-device memory
+  # stays flat as cp grows at fixed S/cp (smallest cp > 1 to the largest), and stays below the
+  # all-gather baseline at the largest cp.
+  c.bench_cp.goals = {}
+  for branch in ("ttt", "block"):
+    c.bench_cp.goals[f"{branch}_ring_flat"] = dict(
+      metric=f"summary.{branch}.ring_flatness",
+      op="<=",
+      target=1.1,
+      what=f"{branch} branch: ring peak bytes, largest cp / smallest cp > 1 (S/cp fixed)",
+    )
+    c.bench_cp.goals[f"{branch}_ring_below_allgather"] = dict(
+      metric=f"summary.{branch}.allgather_over_ring_at_max_cp",
+      op=">",
+      target=1.0,
+      what=f"{branch} branch: all-gather / ring peak bytes at the largest cp",
+    )
   if arg.smoke:
     c.bench_cp.update(
       heads=4,

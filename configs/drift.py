@@ -25,4 +25,26 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   c.rl.lr = 5e-4
   c.drift = dict(arms=("none", "fixed", "cotrained"), seeds=1 if arg.smoke else arg.seeds)
+  # Fixed before the run (copied into results.json with pass/fail). tau is compared between the
+  # first and last window of RL steps (window = steps // 8), averaged over seeds.
+  c.drift.goals = dict(
+    cotrained_tau_kept=dict(
+      metric="arms.cotrained.tau_last_over_first",
+      op=">=",
+      target=0.95,
+      what="C (co-trained draft): tau at the end / tau at the start",
+    ),
+    fixed_tau_fell=dict(
+      metric="arms.fixed.tau_last_over_first",
+      op="<=",
+      target=0.85,
+      what="B (fixed draft): tau at the end / tau at the start (falls by >= 15%)",
+    ),
+    reward_A_vs_C_within_seed_interval=dict(
+      metric="reward_C_minus_A.zero_in_ci95",
+      op="==",
+      target=True,
+      what="final reward C - A: 0 inside its 95% t-interval over seeds",
+    ),
+  )
   return c

@@ -2,12 +2,13 @@
 
 Per-device memory of forward + backward trunk+branch attention from
 `compiled.memory_analysis()` (argument + output + temp bytes) for the zigzag ring, the all-gather
-baseline and the dense oracle; plus per-rank attention work for zigzag vs contiguous sharding.
+baseline and the dense oracle (compiled up to `dense_max_tokens`; beyond it an analytic estimate of
+its score tensor, kept in its own field); plus per-rank attention work for zigzag vs contiguous
+sharding, by construction of the schedule (counted, not measured).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -18,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdraft.attention import reference, ring
+from specdraft.bench import provenance
 
 
 def _abstract(shape, dtype, sharding):
@@ -99,9 +101,15 @@ def dense_estimate(*, S, B, H, W, branch, **_) -> int:
   return int(4 * B * H * (S * S + S * W * (S + W)))
 
 
+WORK_BASIS = "by construction of the schedule (not measured)"
+
+
 def rank_work(S: int, cp: int) -> dict:
-  """Causal (query, key) pairs per rank, and blocks the ring computes per rank, zigzag vs
-  contiguous. A contiguous ring that skips fully-masked steps computes r+1 blocks on rank r."""
+  """Per-rank attention work, zigzag vs contiguous sharding, BY CONSTRUCTION of the schedule
+  (counted from the index layout, not measured from a running ring): causal (query, key) pairs
+  per rank, and c x c sub-blocks the ring computes per rank (zigzag: 3 + 2(cp-1) on every rank,
+  see attention/ring.py; a contiguous ring that skips fully-masked steps computes r+1 blocks of
+  2c x 2c on rank r)."""
   c = S // (2 * cp)
   pairs = lambda idx: float(np.sum(idx + 1))
   zig, cont = [], []
@@ -114,8 +122,8 @@ def rank_work(S: int, cp: int) -> dict:
       )
     )
     cont.append(pairs(np.arange(r * 2 * c, (r + 1) * 2 * c)))
-  zig_blocks = [3 + 2 * (cp - 1)] * cp  # sub-blocks of c x c per rank (see attention/ring.py)
-  cont_blocks = [4 * (r + 1) for r in range(cp)]  # (2c x 2c) blocks = 4 sub-blocks each
+  zig_blocks = [3 + 2 * (cp - 1)] * cp
+  cont_blocks = [4 * (r + 1) for r in range(cp)]
   ratio = lambda x: max(x) / np.mean(x)
   return {
     "cp": cp,
@@ -127,102 +135,146 @@ def rank_work(S: int, cp: int) -> dict:
 
 
 def run(config, workdir: str) -> dict:
+  provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   os.makedirs(workdir, exist_ok=True)
   b = config.bench_cp
   dims = dict(B=b.batch, H=b.heads, K=b.kv_heads, D=b.head_dim)
-  rows = []
+  rows, estimates = [], []
   for branch, W in (("ttt", b.ttt_width), ("block", b.block_width)):
     for cp in b.cps:
       S = b.tokens_per_rank * cp
       for impl in b.impls:
         if impl == "dense" and S > b.dense_max_tokens:
-          rows.append(
-            {
-              "impl": impl,
-              "S": S,
-              "cp": cp,
-              "branch": branch,
-              "W": W,
-              "peak_bytes": dense_estimate(S=S, W=W, branch=branch, **dims),
-              "estimated": True,
-            }
+          # not compiled: the analytic size of the dense score tensor, kept apart from the
+          # compiled figures
+          est = dense_estimate(S=S, W=W, branch=branch, **dims)
+          estimates.append(
+            {"impl": impl, "S": S, "cp": cp, "branch": branch, "W": W, "score_bytes": est}
           )
-        else:
-          rows.append(compile_memory(impl, S=S, cp=cp, W=W, branch=branch, tile=b.tile, **dims))
-        r = rows[-1]
+          print(
+            f"{branch:>5} W={W:<2} {impl:>9} cp={cp} S={S:>7}: {est / 2**30:10.2f} GiB"
+            " (analytic estimate, not compiled)",
+            flush=True,
+          )
+          continue
+        r = compile_memory(impl, S=S, cp=cp, W=W, branch=branch, tile=b.tile, **dims)
+        rows.append(r)
         print(
           f"{branch:>5} W={W:<2} {impl:>9} cp={cp} S={S:>7}: "
           f"{r.get('peak_bytes', float('nan')) / 2**30:10.2f} GiB"
-          f"{' (estimate)' if r.get('estimated') else ''}{'  ' + r['error'] if 'error' in r else ''}",
+          f"{'  ' + r['error'] if 'error' in r else ''}",
           flush=True,
         )
-  work = [rank_work(b.work_tokens, cp) for cp in b.cps if cp > 1]
-  results = {"dims": dict(dims, tokens_per_rank=b.tokens_per_rank), "memory": rows, "work": work}
-  results["goals"] = goals(results)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  results = {
+    "dims": dict(dims, tokens_per_rank=b.tokens_per_rank, dense_max_tokens=b.dense_max_tokens),
+    "memory": rows,
+    "dense_estimates": {
+      "basis": "analytic float32 score-tensor bytes of the dense oracle (not compiled)",
+      "rows": estimates,
+    },
+    "work": {
+      "basis": WORK_BASIS,
+      "tokens": b.work_tokens,
+      "rows": [rank_work(b.work_tokens, cp) for cp in b.cps if cp > 1],
+    },
+  }
+  results["summary"] = summary(results)
+  results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))
+  with open(os.path.join(workdir, "table.md"), "w") as f:
+    f.write(table(results) + "\n")
   plot(results, os.path.join(workdir, "cp_memory.png"))
   print(table(results))
+  print(provenance.goals_table(results["goals"]))
   return results
 
 
-def goals(results) -> dict:
+def _peak(results, branch, impl, cp):
+  for r in results["memory"]:
+    if (r.get("branch"), r["impl"], r["cp"]) == (branch, impl, cp) and "error" not in r:
+      return r["peak_bytes"]
+  return None
+
+
+def summary(results) -> dict:
+  """Ratios of compiled peak bytes per branch: the ring from the smallest cp > 1 to the largest
+  (flatness at fixed S/cp), all-gather over ring at the largest cp, dense over ring at the
+  largest cp where dense was compiled; the dense estimate over the ring at the largest cp
+  (labelled as an estimate); the per-rank work at the largest cp (by construction)."""
   out = {}
+  cps = sorted({r["cp"] for r in results["memory"]})
+  ring_cps = [cp for cp in cps if cp > 1]
   for branch in ("ttt", "block"):
-    mem = {
-      (r["impl"], r["cp"]): r.get("peak_bytes")
-      for r in results["memory"]
-      if r.get("branch") == branch and "error" not in r
-    }
-    cps = sorted({cp for _, cp in mem})
-    if ("ring", cps[0]) in mem and ("ring", cps[-1]) in mem:
-      out[f"{branch}_ring_flatness"] = mem[("ring", cps[-1])] / mem[("ring", cps[0])]
-    if ("allgather", cps[-1]) in mem and ("ring", cps[-1]) in mem:
-      out[f"{branch}_allgather_over_ring_at_max"] = (
-        mem[("allgather", cps[-1])] / mem[("ring", cps[-1])]
+    s = {}
+    ring = lambda cp: _peak(results, branch, "ring", cp)
+    if ring_cps and ring(ring_cps[0]) and ring(ring_cps[-1]):
+      s["ring_flatness"] = ring(ring_cps[-1]) / ring(ring_cps[0])
+      s["ring_flatness_cps"] = [ring_cps[0], ring_cps[-1]]
+    if ring(cps[0]) and ring(cps[-1]):
+      s["ring_over_cp1"] = ring(cps[-1]) / ring(cps[0])
+    ag = _peak(results, branch, "allgather", cps[-1])
+    if ag and ring(cps[-1]):
+      s["allgather_over_ring_at_max_cp"] = ag / ring(cps[-1])
+    dense_cps = [cp for cp in cps if _peak(results, branch, "dense", cp)]
+    if dense_cps and ring(dense_cps[-1]):
+      s["dense_over_ring_compiled"] = _peak(results, branch, "dense", dense_cps[-1]) / ring(
+        dense_cps[-1]
       )
-    if ("dense", cps[-1]) in mem and ("ring", cps[-1]) in mem:
-      out[f"{branch}_dense_over_ring_at_max"] = mem[("dense", cps[-1])] / mem[("ring", cps[-1])]
-  if results["work"]:
-    w = results["work"][-1]
-    out["zigzag_work_max_over_mean"] = w["zigzag_blocks_max_over_mean"]
-    out["contiguous_work_max_over_mean"] = w["contiguous_blocks_max_over_mean"]
+      s["dense_over_ring_compiled_cp"] = dense_cps[-1]
+    est = [
+      e for e in results["dense_estimates"]["rows"] if e["branch"] == branch and e["cp"] == cps[-1]
+    ]
+    if est and ring(cps[-1]):
+      s["dense_estimate_over_ring_at_max_cp"] = est[0]["score_bytes"] / ring(cps[-1])
+    out[branch] = s
+  if results["work"]["rows"]:
+    w = results["work"]["rows"][-1]
+    out["work_by_construction"] = {
+      "basis": WORK_BASIS,
+      "cp": w["cp"],
+      "zigzag_blocks_max_over_mean": w["zigzag_blocks_max_over_mean"],
+      "contiguous_blocks_max_over_mean": w["contiguous_blocks_max_over_mean"],
+    }
   return out
 
 
+def _gib(n):
+  return f"{n / 2**30:.2f}"
+
+
 def table(results) -> str:
+  """Compiled per-device GiB (fwd+bwd) by branch/impl and cp; dense estimates in their own rows."""
+  cps = sorted(
+    {r["cp"] for r in results["memory"]} | {e["cp"] for e in results["dense_estimates"]["rows"]}
+  )
+  S = {cp: results["dims"]["tokens_per_rank"] * cp for cp in cps}
   lines = [
-    f"{'branch':>6} {'impl':>9} "
-    + " ".join(f"{'cp=' + str(cp):>10}" for cp in sorted({r["cp"] for r in results["memory"]}))
+    "| branch | impl | " + " | ".join(f"cp={cp} (S={S[cp]})" for cp in cps) + " |",
+    "|---|---|" + "---|" * len(cps),
   ]
-  keys = sorted({(r.get("branch"), r["impl"]) for r in results["memory"]})
+  keys = []
+  for r in results["memory"]:
+    if (r.get("branch"), r["impl"]) not in keys:
+      keys.append((r.get("branch"), r["impl"]))
   for branch, impl in keys:
     cells = []
-    for cp in sorted({r["cp"] for r in results["memory"]}):
+    for cp in cps:
       r = next(
         (
           x
           for x in results["memory"]
-          if x.get("branch") == branch and x["impl"] == impl and x["cp"] == cp
+          if (x.get("branch"), x["impl"], x["cp"]) == (branch, impl, cp)
         ),
         None,
       )
-      v = (
-        "-"
-        if r is None or "peak_bytes" not in r
-        else f"{r['peak_bytes'] / 2**30:.2f}G" + ("*" if r.get("estimated") else "")
+      cells.append("-" if r is None or "peak_bytes" not in r else _gib(r["peak_bytes"]))
+    lines.append(f"| {branch} | {impl} compiled | " + " | ".join(cells) + " |")
+  for branch in ("ttt", "block"):
+    est = {e["cp"]: e for e in results["dense_estimates"]["rows"] if e["branch"] == branch}
+    if est:
+      cells = [_gib(est[cp]["score_bytes"]) if cp in est else "-" for cp in cps]
+      lines.append(
+        f"| {branch} | dense analytic estimate (not compiled) | " + " | ".join(cells) + " |"
       )
-      cells.append(f"{v:>10}")
-    lines.append(f"{branch:>6} {impl:>9} " + " ".join(cells))
-  lines.append("(* analytic estimate of the dense score tensor; GiB per device, fwd+bwd)")
-  for w in results["work"]:
-    lines.append(
-      f"cp={w['cp']}: work max/mean zigzag {w['zigzag_blocks_max_over_mean']:.3f} "
-      f"(causal pairs {w['zigzag_pairs_max_over_mean']:.3f}) vs contiguous "
-      f"{w['contiguous_blocks_max_over_mean']:.3f} "
-      f"(pairs {w['contiguous_pairs_max_over_mean']:.3f})"
-    )
-  lines.append(json.dumps(results["goals"], indent=1))
   return "\n".join(lines)
 
 
@@ -242,6 +294,15 @@ def plot(results, path):
       ]
       if rs:
         ax.plot([r["S"] for r in rs], [r["peak_bytes"] / 2**30 for r in rs], marker="o", label=impl)
+    est = [e for e in results["dense_estimates"]["rows"] if e["branch"] == branch]
+    if est:
+      ax.plot(
+        [e["S"] for e in est],
+        [e["score_bytes"] / 2**30 for e in est],
+        ls="--",
+        marker="x",
+        label="dense (analytic estimate)",
+      )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length S (S/cp fixed)")

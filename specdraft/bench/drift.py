@@ -7,7 +7,9 @@ import json
 import os
 
 import numpy as np
+from scipy import stats
 
+from specdraft.bench import provenance
 from specdraft.train import loop
 
 ARM_NAMES = {
@@ -17,10 +19,18 @@ ARM_NAMES = {
 }
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, run_dir: str | None = None) -> dict:
+  """Results (results.json, plots) go to `workdir`; the arms' runs (checkpoints, logs) to
+  `run_dir`, by default workdir/runs, or runs/<name> when workdir is under docs/results."""
+  provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
+  if run_dir is None:
+    if provenance.is_repo_results_dir(workdir):
+      run_dir = os.path.join(provenance.repo_root(), "runs", os.path.basename(workdir.rstrip("/")))
+    else:
+      run_dir = os.path.join(workdir, "runs")
   base_cfg = copy.deepcopy(config)
   base_cfg.rl.steps = 0
-  base_dir = os.path.join(workdir, "base")
+  base_dir = os.path.join(run_dir, "base")
   loop.train_and_evaluate(base_cfg, base_dir)  # SFT + draft distillation, shared by every arm
   base = loop.Context(base_cfg, base_dir)
   params, _ = loop.sft_phase(base)
@@ -32,7 +42,7 @@ def run(config, workdir: str) -> dict:
       c = copy.deepcopy(config)
       c.rollout.draft = arm
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
-      ctx = loop.Context(c, os.path.join(workdir, f"{arm}_seed{seed}"))
+      ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
       loop.rl_phase(ctx, params, dparams)
       runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
       print(
@@ -40,10 +50,12 @@ def run(config, workdir: str) -> dict:
         flush=True,
       )
   summary = summarise(runs, config)
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  plot(runs, config, os.path.join(workdir, "plots"))
+  summary = provenance.write_results(
+    workdir, summary, goals=provenance.goals_from_config(config.drift.goals)
+  )
+  plot(runs, config, workdir)
   print(json.dumps(summary, indent=2))
+  print(provenance.goals_table(summary["goals"]), flush=True)
   return summary
 
 
@@ -51,7 +63,40 @@ def _curve(runs, arm, key, seeds):
   return np.array([[r[key] for r in runs[(arm, s)]] for s in range(seeds)], float)
 
 
+def seed_stats(x) -> dict:
+  """Mean over seeds, sample standard deviation (ddof=1) and the 95% Student-t interval of the
+  mean; std and interval are None with a single seed."""
+  x = np.asarray(x, float)
+  n = len(x)
+  out = {"n": n, "mean": float(x.mean()), "std": None, "ci95": None, "per_seed": x.tolist()}
+  if n > 1:
+    std = float(x.std(ddof=1))
+    half = float(stats.t.ppf(0.975, n - 1) * std / np.sqrt(n))
+    out.update(std=std, ci95=[out["mean"] - half, out["mean"] + half])
+  return out
+
+
+def diff_stats(a, b) -> dict:
+  """mean(b) - mean(a) over seeds with its 95% Welch t-interval; `zero_in_ci95`: the two arms
+  cannot be told apart at this seed count. None with fewer than two seeds per arm."""
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  d = float(b.mean() - a.mean())
+  out = {"diff": d, "ci95": None, "zero_in_ci95": None}
+  if len(a) > 1 and len(b) > 1:
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = float(np.sqrt(va + vb))
+    if se == 0.0:
+      out.update(ci95=[d, d], zero_in_ci95=d == 0.0)
+      return out
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(stats.t.ppf(0.975, dof) * se)
+    out.update(ci95=[d - half, d + half], zero_in_ci95=bool(d - half <= 0.0 <= d + half))
+  return out
+
+
 def summarise(runs, config) -> dict:
+  """Per arm: first/last-window means over seeds (window = steps // 8); the last-window reward
+  with seed statistics (sample std, 95% t-interval); tau for the SD arms; C - A reward."""
   seeds, steps = config.drift.seeds, config.rl.steps
   k = max(1, steps // 8)
   out = {"steps": steps, "seeds": seeds, "window": k, "arms": {}}
@@ -66,30 +111,22 @@ def summarise(runs, config) -> dict:
     )
     a = {
       "reward_first": float(rew[:, :k].mean()),
-      "reward_last": float(rew[:, -k:].mean()),
-      "reward_last_seed_std": float(rew[:, -k:].mean(1).std()),
+      "reward_last": seed_stats(rew[:, -k:].mean(1)),
       "rewarded_format_share_first": float(share[:, :k].mean()),
       "rewarded_format_share_last": float(share[:, -k:].mean()),
       "entropy_first": float(_curve(runs, arm, "entropy", seeds)[:, :k].mean()),
       "entropy_last": float(_curve(runs, arm, "entropy", seeds)[:, -k:].mean()),
+      "rollout_seconds_mean": float(_curve(runs, arm, "rollout_seconds", seeds).mean()),
     }
     if arm != "none":
       a.update(tau_first=float(tau[:, :k].mean()), tau_last=float(tau[:, -k:].mean()))
       a["tau_last_over_first"] = a["tau_last"] / a["tau_first"]
-      a["rollout_seconds_mean"] = float(_curve(runs, arm, "rollout_seconds", seeds).mean())
-    else:
-      a["rollout_seconds_mean"] = float(_curve(runs, arm, "rollout_seconds", seeds).mean())
     out["arms"][arm] = a
-  arms = out["arms"]
-  if {"fixed", "cotrained", "none"} <= set(arms):
-    out["goals"] = {
-      "cotrained_tau_kept_ge_95pct": arms["cotrained"]["tau_last_over_first"] >= 0.95,
-      "fixed_tau_fell_ge_15pct": arms["fixed"]["tau_last_over_first"] <= 0.85,
-      "reward_A_vs_C_diff": arms["cotrained"]["reward_last"] - arms["none"]["reward_last"],
-      "reward_seed_noise": max(
-        arms["cotrained"]["reward_last_seed_std"], arms["none"]["reward_last_seed_std"]
-      ),
-    }
+  if {"none", "cotrained"} <= set(out["arms"]):
+    out["reward_C_minus_A"] = diff_stats(
+      out["arms"]["none"]["reward_last"]["per_seed"],
+      out["arms"]["cotrained"]["reward_last"]["per_seed"],
+    )
   return out
 
 

@@ -67,9 +67,16 @@ def git_commit(cwd: str | None = None) -> str | None:
   return _git("rev-parse", "HEAD", cwd=cwd)
 
 
-def git_dirty(cwd: str | None = None) -> bool:
-  """True when tracked files differ from HEAD or untracked, non-ignored files exist."""
-  status = _git("status", "--porcelain", cwd=cwd)
+def git_dirty(cwd: str | None = None, exclude: str | None = None) -> bool:
+  """True when tracked files differ from HEAD or untracked, non-ignored files exist.
+
+  `exclude`: a directory whose changes do not count (a run's own outputs, written before its
+  results file)."""
+  args = ["status", "--porcelain"]
+  if exclude is not None:
+    rel = os.path.relpath(os.path.realpath(exclude), os.path.realpath(cwd or repo_root()))
+    args += ["--", ".", f":(exclude){rel}"]
+  status = _git(*args, cwd=cwd)
   return status is None or bool(status)
 
 
@@ -80,9 +87,13 @@ def is_repo_results_dir(workdir: str) -> bool:
   return path == results or path.startswith(results + os.sep)
 
 
-def check_workdir(workdir: str) -> None:
-  """Refuses, before any work, to write repository results from an uncommitted tree."""
-  if is_repo_results_dir(workdir) and git_dirty():
+def check_workdir(workdir: str, *, own_outputs_written: bool = False) -> None:
+  """Refuses, before any work, to write repository results from an uncommitted tree.
+
+  With `own_outputs_written` (the check at the end of a run) changes inside `workdir` itself,
+  the run's own outputs, are allowed; everything else must still equal HEAD."""
+  exclude = workdir if own_outputs_written else None
+  if is_repo_results_dir(workdir) and git_dirty(exclude=exclude):
     raise RuntimeError(
       f"--workdir={workdir} is under docs/results, but the work tree has uncommitted changes "
       "(git status --porcelain is not empty). Commit first (results must name the commit that "
@@ -168,9 +179,9 @@ def write_results(
   """Writes `{header..., goals, **payload}` to workdir/filename; returns the object written.
 
   `goals` are evaluated against `measured` (default: the payload). Refuses a dirty tree when
-  `workdir` is under docs/results.
+  `workdir` is under docs/results (changes inside `workdir`, the run's own outputs, excepted).
   """
-  check_workdir(workdir)
+  check_workdir(workdir, own_outputs_written=True)
   clash = set(payload) & set((*HEADER_KEYS, "goals"))
   if clash:
     raise ValueError(f"results payload may not set provenance keys {sorted(clash)}")

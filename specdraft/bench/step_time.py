@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 
@@ -11,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specdraft.bench import provenance
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import CharTokenizer
@@ -34,10 +34,19 @@ def synthetic_batch(B: int, S: int, V: int, seed: int = 0):
 
 
 def run(config, workdir: str) -> dict:
+  provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   os.makedirs(workdir, exist_ok=True)
   pcfg = pol.PolicyConfig.from_config(config.model, CharTokenizer().vocab_size)
-  results = {"policy_layers": pcfg.n_layers, "d_model": pcfg.d_model, "rows": []}
   b = config.bench_step
+  results = {
+    "policy_layers": pcfg.n_layers,
+    "d_model": pcfg.d_model,
+    "batch_size": b.batch_size,
+    "seq_len": b.seq_len,
+    "repeats": b.repeats,
+    "rows": [],
+    "ratio_by_ttt_steps": {},
+  }
   for ttt_steps in b.ttt_steps:
     draft_cfg = config.draft.copy_and_resolve_references()
     draft_cfg.ttt_steps = ttt_steps
@@ -76,11 +85,12 @@ def run(config, workdir: str) -> dict:
       "ratio": med["cotrain"] / med["rl_only"],
     }
     results["rows"].append(row)
+    results["ratio_by_ttt_steps"][str(ttt_steps)] = row["ratio"]
     print(
       f"ttt_steps={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms vs RL-only "
       f"{row['rl_only_s'] * 1e3:.1f} ms -> ratio {row['ratio']:.3f}",
       flush=True,
     )
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(results, f, indent=2)
+  results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))
+  print(provenance.goals_table(results["goals"]), flush=True)
   return results

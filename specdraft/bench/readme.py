@@ -1,0 +1,420 @@
+"""README's measured section, rendered from the results files (experiments/readme_tables.py).
+
+Everything between the `<!-- results:begin ... -->` and `<!-- results:end -->` markers of
+README.md is generated here from docs/results/<name>/results.json: one short paragraph and table
+per results file, each citing its file and the command and commit that wrote it, and the goals
+(fixed in the config before the run) with pass/fail as the script evaluated them. Every number in
+the section is formatted from the JSON; nothing is typed by hand. A results file that is absent
+is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+BEGIN = "<!-- results:begin"
+END = "<!-- results:end -->"
+
+
+def _load(root: str, rel: str) -> dict | None:
+  path = os.path.join(root, rel)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _f(x, nd: int = 2) -> str:
+  return f"{x:.{nd}f}"
+
+
+def _mib(n) -> str:
+  return f"{n / 2**20:.2f} MiB"
+
+
+def _gib(n) -> str:
+  return f"{n / 2**30:.1f}"
+
+
+def _yes(b) -> str:
+  return "yes" if b else "no"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def source(results: dict, rel: str) -> str:
+  """Which file, command, commit, date and machine a section's figures come from."""
+  commit = results["commit"] or "unknown"
+  return (
+    f"Source: `{rel}`, written by `{results['command']}` at commit `{commit[:12]}` "
+    f"({results['date']}; {results['backend']}, {results['cpu_count']} CPU cores, "
+    f"jax {results['jax']})."
+  )
+
+
+def _value(v) -> str:
+  if isinstance(v, bool):
+    return str(v).lower()
+  if isinstance(v, float):
+    return f"{v:.3f}"
+  return str(v)
+
+
+def _target(t) -> str:
+  return f"{t:g}" if isinstance(t, float) else _value(t)
+
+
+def goals(results: dict) -> str:
+  """The goals table and one sentence saying which are met and which are missed."""
+  gs = results.get("goals") or {}
+  if not gs:
+    return ""
+  rows = [
+    [g.get("what", name), f"{g['op']} {_target(g['target'])}", _value(g["value"]), _yes(g["met"])]
+    for name, g in gs.items()
+  ]
+  met = [name for name, g in gs.items() if g["met"]]
+  missed = [name for name, g in gs.items() if not g["met"]]
+  sentence = f"Goals (fixed in the config before the run): {len(met)} of {len(gs)} met"
+  sentence += f"; missed: {', '.join(f'`{m}`' for m in missed)}." if missed else " (all of them)."
+  return sentence + "\n\n" + _table(["goal", "target", "measured", "met"], rows)
+
+
+def rollout(r: dict) -> str:
+  c = r["pass_costs"]
+  rows = [
+    [
+      x["batch"],
+      f"{x['ar_tokens_per_s']:.0f}",
+      f"{x['sd_tokens_per_s']:.0f}",
+      f"{_f(x['speedup'])}×",
+      _f(x["tau"]),
+      _f(x["ar_policy_passes_per_token"]),
+      _f(x["sd_policy_passes_per_token"]),
+      _yes(x["greedy_equal"]),
+    ]
+    for x in r["rows"]
+  ]
+  head = (
+    "### Rollouts: speculative decoding vs autoregressive\n\n"
+    "Tokens per second of SD and AR generation from the same trained checkpoint, per batch "
+    f"size. A draft pass costs {_f(c['draft_over_policy_seconds'], 3)}× a policy pass in time "
+    f"({_f(c['draft_over_policy_flops'], 2)}× in compiled FLOPs)."
+  )
+  table = _table(
+    [
+      "batch",
+      "AR tok/s",
+      "SD tok/s",
+      "speedup",
+      "τ",
+      "AR policy passes/token",
+      "SD policy passes/token",
+      "greedy SD == AR",
+    ],
+    rows,
+  )
+  return head + "\n\n" + table
+
+
+def step(r: dict) -> str:
+  rows = [
+    [x["ttt_steps"], f"{x['rl_only_s'] * 1e3:.0f}", f"{x['cotrain_s'] * 1e3:.0f}", _f(x["ratio"])]
+    for x in r["rows"]
+  ]
+  head = (
+    "### Co-training step vs RL-only step\n\n"
+    f"The same batch ({r['batch_size']}×{r['seq_len']} tokens) through a "
+    f"{r['policy_layers']}-layer policy (d={r['d_model']}), the two steps timed interleaved, "
+    f"median of {r['repeats']} rounds, for each number K of TTT steps."
+  )
+  table = _table(["TTT steps K", "RL-only ms", "co-train ms", "co-train / RL-only"], rows)
+  return head + "\n\n" + table
+
+
+def cp(r: dict) -> str:
+  d = r["dims"]
+  mem, est = r["memory"], r["dense_estimates"]["rows"]
+  cps = sorted({x["cp"] for x in mem} | {x["cp"] for x in est})
+  header = ["branch (W)", "impl"] + [f"cp={c} (S={d['tokens_per_rank'] * c})" for c in cps]
+  keys = []
+  for x in mem:
+    if (x["branch"], x["W"], x["impl"]) not in keys:
+      keys.append((x["branch"], x["W"], x["impl"]))
+  rows = []
+  for branch, W, impl in keys:
+    cell = {x["cp"]: x for x in mem if (x["branch"], x["W"], x["impl"]) == (branch, W, impl)}
+    rows.append(
+      [f"{branch} ({W})", f"{impl}, compiled"]
+      + [_gib(cell[c]["peak_bytes"]) if "peak_bytes" in cell.get(c, {}) else "-" for c in cps]
+    )
+  for branch in dict.fromkeys(x["branch"] for x in est):
+    cell = {x["cp"]: x for x in est if x["branch"] == branch}
+    W = next(iter(cell.values()))["W"]
+    rows.append(
+      [f"{branch} ({W})", "dense, analytic estimate (not compiled)"]
+      + [_gib(cell[c]["score_bytes"]) if c in cell else "-" for c in cps]
+    )
+  s = r["summary"]
+  lines = [
+    "### Context parallelism: per-device memory (compile-only)",
+    "",
+    f"Forward + backward trunk + branch attention, H={d['H']}, K={d['K']}, D={d['D']}, bf16 "
+    f"inputs, S/cp = {d['tokens_per_rank']} tokens; GiB per device from "
+    "`compiled.memory_analysis()` (argument + output + temp). The dense oracle is compiled up to "
+    f"S = {d['dense_max_tokens']}; beyond that its row is the analytic size of its float32 score "
+    "tensor, not a compiled figure.",
+    "",
+    _table(header, rows),
+    "",
+  ]
+  for branch in ("ttt", "block"):
+    b = s.get(branch, {})
+    parts = []
+    if "ring_flatness" in b:
+      lo, hi = b["ring_flatness_cps"]
+      parts.append(f"ring cp={hi} / cp={lo} {_f(b['ring_flatness'])}×")
+    if "ring_over_cp1" in b:
+      parts.append(f"ring cp={cps[-1]} / cp={cps[0]} {_f(b['ring_over_cp1'])}×")
+    if "allgather_over_ring_at_max_cp" in b:
+      parts.append(f"all-gather / ring at cp={cps[-1]} {_f(b['allgather_over_ring_at_max_cp'])}×")
+    if "dense_over_ring_compiled" in b:
+      parts.append(
+        f"dense / ring (both compiled, cp={b['dense_over_ring_compiled_cp']}) "
+        f"{b['dense_over_ring_compiled']:.0f}×"
+      )
+    if "dense_estimate_over_ring_at_max_cp" in b:
+      parts.append(
+        f"dense estimate / ring at cp={cps[-1]} {b['dense_estimate_over_ring_at_max_cp']:.0f}×"
+      )
+    if parts:
+      lines.append(f"- {branch}: " + "; ".join(parts) + ".")
+  w = s.get("work_by_construction")
+  if w:
+    lines.append(
+      f"- Per-rank attention work max/mean at cp={w['cp']}, {w['basis']}: zigzag "
+      f"{_f(w['zigzag_blocks_max_over_mean'])}, contiguous "
+      f"{_f(w['contiguous_blocks_max_over_mean'])} (c×c blocks per rank)."
+    )
+  return "\n".join(lines)
+
+
+def tap(r: dict) -> str:
+  rows = []
+  for x in r["cases"]:
+    m = x["modes"]
+    rows.append(
+      [
+        x["pp"],
+        x["microbatches"],
+        x["seq_len"],
+        x["n_taps"],
+        f"{m['off']['step_seconds'] * 1e3:.0f}",
+        _f(m["direct"]["ratio_vs_off"], 3),
+        _f(m["direct+delay"]["ratio_vs_off"], 3),
+        _f(m["bulk"]["ratio_vs_off"], 3),
+        _f(m["hop"]["ratio_vs_off"], 3),
+        _mib(x["tapped_bytes"]),
+        _mib(m["direct"]["tap_wire_bytes"]),
+        _mib(m["bulk"]["tap_wire_bytes"]),
+        _mib(m["hop"]["tap_wire_bytes"]),
+        _f(m["direct"]["peak_bytes"] / m["off"]["peak_bytes"], 3),
+      ]
+    )
+  table = _table(
+    [
+      "P",
+      "M",
+      "S",
+      "taps",
+      "off ms",
+      "direct",
+      "direct+delay",
+      "bulk",
+      "hop",
+      "tapped",
+      "direct wire",
+      "bulk wire",
+      "hop wire",
+      "peak direct/off",
+    ],
+    rows,
+  )
+  pooled = r["overhead_pooled"]
+  gs = r["goals"]
+  met = lambda name: "met" if gs[name]["met"] else "NOT met"
+  c = r["correctness"]
+  head = (
+    "### Pipeline parallelism: the TapChannel\n\n"
+    "The pipelined co-training step (optimizer included) with the tap channel off, direct, "
+    "direct+delay, bulk and hop, compiled, then timed interleaved for "
+    f"{r['repeats']} rounds. Step time relative to the channel off (ratio of medians per case); "
+    "tap bytes on the wire per step read from the compiled HLO (`tapped` = bytes that must "
+    "travel)."
+  )
+  overhead = (
+    "Direct-mode overhead, two readings of the ≤ "
+    f"{gs['overhead_worst_case']['target']} goal: worst case over the {len(r['cases'])} cases "
+    f"(ratio of medians) {_f(r['overhead_worst_case'], 3)} — {met('overhead_worst_case')}; "
+    f"pooled paired median over all {pooled['rounds']} rounds {_f(pooled['median'], 3)} (IQR "
+    f"{_f(pooled['iqr'][0], 3)}–{_f(pooled['iqr'][1], 3)}, 95% bootstrap CI "
+    f"{_f(pooled['ci95'][0], 3)}–{_f(pooled['ci95'][1], 3)}) — {met('overhead_pooled')}. "
+    f"Taps bit-exact: {_yes(r['taps_bit_exact'])}; policy update identical with the channel on "
+    f"and off: {_yes(r['outputs_unchanged'])}; pipelined vs single-device step, largest relative "
+    f"metric difference {c['max_rel_diff_vs_single_device']:.1e}."
+  )
+  return head + "\n\n" + table + "\n\n" + overhead
+
+
+ARM_NAMES = {
+  "none": "A: AR rollouts",
+  "fixed": "B: SD, fixed draft",
+  "cotrained": "C: SD, co-trained draft",
+}
+
+
+def _interval(ci) -> str:
+  return "n/a (one seed)" if ci is None else f"{_f(ci[0], 3)} to {_f(ci[1], 3)}"
+
+
+def drift(r: dict, rel_dir: str) -> str:
+  rows = []
+  for arm, a in r["arms"].items():
+    rl = a["reward_last"]
+    rows.append(
+      [
+        ARM_NAMES.get(arm, arm),
+        _f(a["reward_first"], 3),
+        _f(rl["mean"], 3),
+        "n/a" if rl["std"] is None else _f(rl["std"], 3),
+        _interval(rl["ci95"]),
+        f"{a['rewarded_format_share_first']:.0%} → {a['rewarded_format_share_last']:.0%}",
+        f"{_f(a['tau_first'])} → {_f(a['tau_last'])}" if "tau_first" in a else "-",
+        _f(a["tau_last_over_first"], 3) if "tau_last_over_first" in a else "-",
+      ]
+    )
+  table = _table(
+    [
+      "arm",
+      "reward, first window",
+      "reward, last window",
+      "seed std",
+      "95% t-interval",
+      "rewarded format share",
+      "τ first → last",
+      "τ last / first",
+    ],
+    rows,
+  )
+  head = (
+    "### Drift: does a co-trained draft keep its acceptance while RL moves the policy?\n\n"
+    f"{len(r['arms'])} arms × {r['seeds']} seeds × {r['steps']} RL steps from one SFT policy and "
+    "one distilled draft; the reward pays only for the rare answer format, so the policy's "
+    f"output distribution moves. Windows: the first and last {r['window']} RL steps; seed "
+    "statistics use the sample standard deviation and the 95% Student-t interval of the mean."
+  )
+  lines = [head, "", table, ""]
+  d = r.get("reward_C_minus_A")
+  if d:
+    lines.append(
+      f"Final reward C − A: {_f(d['diff'], 3)}, 95% Welch t-interval {_interval(d['ci95'])}."
+    )
+    lines.append("")
+  for name in ("tau", "reward"):
+    lines.append(f"![drift {name}]({rel_dir}/drift_{name}.png)")
+  return "\n".join(lines)
+
+
+def wall_times(r: dict) -> str:
+  rows = [
+    [
+      i + 1,
+      _f(x["lint_s"] / 60, 1),
+      _f(x["test_s"] / 60, 1),
+      _f(x["test_slow_s"] / 60, 1),
+      _f(x["total_s"] / 60, 1),
+      x["tests_passed"],
+      _yes(x["passed"]),
+    ]
+    for i, x in enumerate(r["ci_runs"])
+  ]
+  table = _table(
+    [
+      "CI run",
+      "make lint (min)",
+      "make test (min)",
+      "make test-slow (min)",
+      "total (min)",
+      "tests passed",
+      "passed",
+    ],
+    rows,
+  )
+  head = (
+    "### Wall times\n\n"
+    f"`bash .ci/run` from a clean clone, {len(r['ci_runs'])} times in a row, and `make run` on "
+    f"the default config: {_f(r['make_run_s'] / 60, 1)} min, on {r['cpu_count']} CPU cores "
+    f"({r['cpu']})."
+  )
+  return head + "\n\n" + table
+
+
+# (results file, renderer); a renderer takes the results and the file's directory.
+SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
+  ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
+  ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
+  ("docs/results/bench_step/results.json", lambda r, d: step(r)),
+  ("docs/results/drift/results.json", drift),
+  ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
+  ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
+]
+
+
+def render(root: str) -> str:
+  """The measured section (the text between the markers), from the results files under root."""
+  parts = [
+    "",
+    "## Measured",
+    "",
+    "Generated by `python experiments/readme_tables.py` from the results files under "
+    "docs/results; each section names the file, command and commit that produced its figures.",
+  ]
+  for rel, fn in SECTIONS:
+    r = _load(root, rel)
+    if r is None:
+      continue
+    section = [fn(r, os.path.dirname(rel)), goals(r), source(r, rel)]
+    parts += ["", "\n\n".join(x for x in section if x)]
+  return "\n".join(parts) + "\n"
+
+
+def split(text: str) -> tuple[str, str, str]:
+  """README text as (up to and including the begin marker's line, the block, from the end
+  marker on)."""
+  b = text.find(BEGIN)
+  e = text.find(END)
+  if b < 0 or e < 0 or e < b:
+    raise ValueError(f"README has no {BEGIN} ... {END} block")
+  line_end = text.index("\n", b) + 1
+  return text[:line_end], text[line_end:e], text[e:]
+
+
+def update(root: str, *, check: bool = False) -> bool:
+  """Rewrites README.md's block (or, with check, only compares); True when it was up to date."""
+  path = os.path.join(root, "README.md")
+  with open(path) as f:
+    text = f.read()
+  head, block, tail = split(text)
+  want = render(root)
+  if block == want:
+    return True
+  if not check:
+    with open(path, "w") as f:
+      f.write(head + want + tail)
+  return False
