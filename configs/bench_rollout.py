@@ -5,6 +5,8 @@ Smoke: python experiments/bench_rollout.py --config=configs/bench_rollout.py:smo
 
 The policy is sized like real systems relative to its draft (12 layers against the draft's one),
 trained here first (SFT + draft distillation; skipped when the workdir already holds them).
+The timing is `specdraft/decode/compare.py::compare_rollouts`, which defines tau, policy passes
+per token and `greedy_equal`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,42 @@ def get_config(arg: str | None = None):
     c.sft.steps, c.sft.lr = 800, 2e-3
     c.eval.every = c.checkpoint.every = 400
     c.draft.pretrain_steps = 300
+  # G = num_draft tokens proposed per SD round; T = temperature of both AR and SD sampling.
   c.bench = dict(
     batch_sizes=(1, 8, 32, 128), num_draft=5, temperature=1.0, repeats=3, max_new_tokens=40
   )
   if arg.smoke:
     c.bench.batch_sizes, c.bench.repeats, c.bench.max_new_tokens = (1, 4), 2, 16
+  c.bench.goals = goals(c.bench.batch_sizes, c.bench.num_draft, c.bench.temperature)
   return c
+
+
+def goals(batch_sizes, num_draft: int, temperature: float) -> dict:
+  """Fixed before the run and copied into results.json with pass/fail."""
+  small, large = min(batch_sizes), max(batch_sizes)
+  return dict(
+    tau=dict(
+      metric="all_batches.tau_min",
+      op=">=",
+      target=3.5,
+      what=f"tau at G={num_draft}, T={temperature:g} (lowest over batch sizes)",
+    ),
+    greedy_equal=dict(
+      metric="all_batches.greedy_equal",
+      op="==",
+      target=True,
+      what="greedy SD tokens == greedy AR tokens on every row, exactly (every batch size)",
+    ),
+    speedup_smallest_batch=dict(
+      metric=f"by_batch.{small}.speedup",
+      op=">=",
+      target=2.0,
+      what=f"SD/AR tokens per second at batch {small}",
+    ),
+    speedup_largest_batch=dict(
+      metric=f"by_batch.{large}.speedup",
+      op=">",
+      target=1.0,
+      what=f"SD/AR tokens per second at batch {large}",
+    ),
+  )

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from specdraft import config as config_lib
 from specdraft.decode import autoregressive, speculative
+from specdraft.decode.compare import compare_rollouts
 from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
@@ -503,58 +504,23 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
 
 
 def rollout_report(ctx: Context, params, dparams, *, temperature: float, repeats: int = 3):
-  """SD vs AR on the held-out prompts: tau, acceptance, tokens/s and greedy equality."""
+  """SD vs AR on the held-out prompts (`decode.compare.compare_rollouts`)."""
   c = ctx.config
   B = c.eval.batch_size
-  exs = ctx.eval_examples[:B] + [ctx.eval_examples[-1]] * max(0, B - len(ctx.eval_examples))
-  prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
-  kw = dict(max_new_tokens=c.decode.max_new_tokens)
-  run_ar = lambda key, t: autoregressive.generate(
-    params, ctx.pcfg, prompts, lengths, key, temperature=t, **kw
-  )
-  run_sd = lambda key, t: speculative.generate(
+  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(B)]
+  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  return compare_rollouts(
     params,
     dparams,
     ctx.pcfg,
     ctx.dcfg,
-    prompts,
-    lengths,
-    key,
-    temperature=t,
+    prompts_BS,
+    lengths_B,
+    max_new_tokens=c.decode.max_new_tokens,
     num_draft=c.decode.num_draft,
-    **kw,
+    temperature=temperature,
+    repeats=repeats,
   )
-  greedy_equal = float(
-    np.mean(
-      np.all(
-        np.asarray(run_ar(jax.random.key(0), 0.0).tokens)
-        == np.asarray(run_sd(jax.random.key(0), 0.0).tokens),
-        axis=1,
-      )
-    )
-  )
-  times = {"ar": [], "sd": []}
-  outs = {}
-  jax.block_until_ready(run_ar(jax.random.key(1), temperature))  # compile
-  jax.block_until_ready(run_sd(jax.random.key(1), temperature))
-  for r in range(repeats):  # interleaved
-    for name, fn in (("ar", run_ar), ("sd", run_sd)):
-      t0 = time.perf_counter()
-      outs[name] = jax.block_until_ready(fn(jax.random.key(10 + r), temperature))
-      times[name].append(time.perf_counter() - t0)
-  st = jax.device_get(outs["sd"].stats)
-  n_ar, n_sd = int(np.sum(outs["ar"].lengths)), int(np.sum(outs["sd"].lengths))
-  return {
-    "temperature": temperature,
-    "tau": float(st["tau_sum"] / max(st["row_rounds"], 1)),
-    "accept_per_position": (st["accept_counts"] / np.maximum(st["reach_counts"], 1)).tolist(),
-    "ar_tokens_per_s": n_ar / float(np.median(times["ar"])),
-    "sd_tokens_per_s": n_sd / float(np.median(times["sd"])),
-    "speedup": (n_sd / float(np.median(times["sd"]))) / (n_ar / float(np.median(times["ar"]))),
-    "sd_policy_passes_per_token": int(st["policy_passes"]) * B / max(n_sd, 1),
-    "ar_policy_passes_per_token": int(outs["ar"].stats["policy_passes"]) * B / max(n_ar, 1),
-    "greedy_equal": greedy_equal,
-  }
 
 
 def _plots(ctx: Context):
@@ -685,7 +651,7 @@ def summary_table(summary: dict) -> str:
         "SD vs AR: policy passes/token",
         f"{r['sd_policy_passes_per_token']:.3f} vs {r['ar_policy_passes_per_token']:.3f}",
       ),
-      ("greedy SD == AR (fraction of rows)", r["greedy_equal"]),
+      ("greedy SD == AR (every row)", "yes" if r["greedy_equal"] else "NO"),
     ]
   rows.append(("wall time (s)", summary.get("wall_seconds")))
   w = max(len(k) for k, _ in rows)

@@ -1,0 +1,151 @@
+"""SD vs AR on the same checkpoint, prompts, G and sampling: the one timing used by the run's
+report (`train/evaluate.py`) and by the rollout benchmark (`bench/rollout.py`).
+
+Definitions (every figure below is one of these):
+  tau                         tokens emitted per SD round and active row (accepted drafts + the
+                              correction or bonus token), averaged over every (row, round) pair
+                              in which the row was still generating: `tau_sum / row_rounds`.
+                              1 <= tau <= G + 1.
+  policy passes per token     policy forward passes (prefill included) times the batch size,
+                              divided by the tokens generated. The batch shares each pass, so a
+                              row that stopped early keeps costing passes until every row stops.
+                              AR needs about 1; SD about 1/tau.
+  greedy_equal                at temperature 0, the SD tokens equal the AR tokens on every row,
+                              exactly (all `max_new_tokens` positions, PAD after the end).
+  tokens/s                    generated tokens (EOS included) over the wall time of one
+                              `generate` call, after `block_until_ready`.
+
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), G draft tokens per round.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from specdraft.decode import autoregressive, speculative
+
+
+def compare_rollouts(
+  params,
+  dparams,
+  pcfg,
+  dcfg,
+  prompts_BS,
+  prompt_lengths_B,
+  *,
+  max_new_tokens: int,
+  num_draft: int,
+  temperature: float,
+  repeats: int,
+  seed: int = 0,
+) -> dict:
+  """Times AR and SD generation on the same inputs; returns the figures defined above.
+
+  Each function is called once first (compile + one run, reported as `first_call_s_*`, never
+  timed); then `repeats` timed calls alternate AR, SD, AR, SD, ... with the same key for both
+  in each repeat, so slow phases of a shared machine hit both. Rates are medians over repeats;
+  `speedup` is the ratio of the median rates and `speedup_per_repeat` the paired ratios.
+  """
+  run = {
+    "ar": lambda key, t: autoregressive.generate(
+      params,
+      pcfg,
+      prompts_BS,
+      prompt_lengths_B,
+      key,
+      max_new_tokens=max_new_tokens,
+      temperature=t,
+    ),
+    "sd": lambda key, t: speculative.generate(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      prompts_BS,
+      prompt_lengths_B,
+      key,
+      max_new_tokens=max_new_tokens,
+      temperature=t,
+      num_draft=num_draft,
+    ),
+  }
+  first_call_s = {
+    name: _seconds(fn, jax.random.key(seed), temperature)[0] for name, fn in run.items()
+  }
+  samples = {"ar": [], "sd": []}
+  for r in range(repeats):
+    key = jax.random.key(seed + 1 + r)
+    for name, fn in run.items():
+      seconds, gen = _seconds(fn, key, temperature)
+      figures = decoding_figures(gen)
+      figures["tokens_per_s"] = figures["tokens"] / seconds
+      samples[name].append(figures)
+  out = _summarise(samples, batch=int(prompts_BS.shape[0]))
+  out.update(
+    temperature=float(temperature),
+    num_draft=int(num_draft),
+    max_new_tokens=int(max_new_tokens),
+    repeats=int(repeats),
+    first_call_s_ar=first_call_s["ar"],
+    first_call_s_sd=first_call_s["sd"],
+  )
+  out.update(greedy_agreement(run["ar"], run["sd"], jax.random.key(seed)))
+  return out
+
+
+def greedy_agreement(run_ar, run_sd, key) -> dict:
+  """`greedy_equal`: temperature-0 SD tokens == AR tokens on every row, exactly."""
+  ar_BN = np.asarray(run_ar(key, 0.0).tokens)
+  sd_BN = np.asarray(run_sd(key, 0.0).tokens)
+  rows_differ = ~np.all(ar_BN == sd_BN, axis=1)
+  return {
+    "greedy_equal": bool(not rows_differ.any()),
+    "greedy_rows_differing": int(rows_differ.sum()),
+  }
+
+
+def _seconds(fn, key, temperature):
+  t0 = time.perf_counter()
+  gen = jax.block_until_ready(fn(key, temperature))
+  return time.perf_counter() - t0, gen
+
+
+def decoding_figures(gen) -> dict:
+  """tokens, policy passes per token and, for SD, tau and per-position acceptance (accepted /
+  reached) of one Generation, as defined in the module docstring."""
+  stats = jax.device_get(gen.stats)
+  batch = int(gen.lengths.shape[0])
+  tokens = int(np.sum(gen.lengths))
+  out = {
+    "tokens": tokens,
+    "policy_passes_per_token": int(stats["policy_passes"]) * batch / max(tokens, 1),
+  }
+  if "tau_sum" in stats:
+    out["tau"] = float(stats["tau_sum"] / max(int(stats["row_rounds"]), 1))
+    reached = np.maximum(stats["reach_counts"], 1)
+    out["accept_per_position"] = (stats["accept_counts"] / reached).tolist()
+  return out
+
+
+def _summarise(samples: dict, *, batch: int) -> dict:
+  """Medians over repeats of each per-call figure."""
+  med = lambda name, k: float(np.median([s[k] for s in samples[name]]))
+  out = {
+    "batch": batch,
+    "ar_tokens_per_s": med("ar", "tokens_per_s"),
+    "sd_tokens_per_s": med("sd", "tokens_per_s"),
+    "ar_policy_passes_per_token": med("ar", "policy_passes_per_token"),
+    "sd_policy_passes_per_token": med("sd", "policy_passes_per_token"),
+    "tau": med("sd", "tau"),
+    "accept_per_position": np.median(
+      [s["accept_per_position"] for s in samples["sd"]], axis=0
+    ).tolist(),
+  }
+  out["speedup"] = out["sd_tokens_per_s"] / out["ar_tokens_per_s"]
+  out["speedup_per_repeat"] = [
+    s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(samples["ar"], samples["sd"])
+  ]
+  return out
