@@ -1,6 +1,7 @@
 """Context parallelism: zigzag layout, blockwise primitives, ring and all-gather branch attention
 against the dense oracle, in value and gradient, on 8 simulated devices."""
 
+import _tolerance as tol
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,6 +298,7 @@ def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
   (l1, m1), g1 = run("dense")
   (l4, m4), g4 = run("ring")
   np.testing.assert_allclose(l4, l1, rtol=1e-5)
-  assert_close(g4, g1, 1e-5)
+  assert set(m4) == set(m1)
+  tol.assert_grads_close(g4, g1, rtol=1e-4)
   with pytest.raises(ValueError, match="impl='ring' needs a mesh"):
     draft_lib.draft_loss_on_batch(dparams, params, pcfg, dcfg, batch, attn_impl="ring")

@@ -1,5 +1,6 @@
 """Pipeline parallelism and the TapChannel against the unpipelined model (8 simulated devices)."""
 
+import _tolerance as tol
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -183,10 +184,11 @@ def test_logits_taps_and_policy_grads_equal_unpipelined(setup, P, M):
   )
   np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(taps.final, ref_taps.final, atol=1e-5, rtol=1e-5)
-  # Taps bit-exact: receiver buffer == what each stage sent == the unpipelined layer outputs.
+  # Taps: the receiver buffer is bit-exactly what each stage sent (pure data movement), and equals
+  # the unpipelined layer outputs up to float32 reordering (other programs, other batch shapes).
   _, mb_taps = _unpipelined_per_microbatch(pcfg, theta, batch, M)
-  np.testing.assert_array_equal(taps.layers, mb_taps)
-  np.testing.assert_allclose(taps.layers, ref_taps.layers, atol=1e-6)
+  np.testing.assert_allclose(taps.layers, mb_taps, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(taps.layers, ref_taps.layers, atol=1e-5, rtol=1e-5)
   plan = TapPlan(TAPS, pcfg.n_layers, P)
   for s in range(P):
     for j, i in enumerate(plan.slots(s)):
@@ -194,9 +196,8 @@ def test_logits_taps_and_policy_grads_equal_unpipelined(setup, P, M):
   # Policy gradients (loss on the last stage) equal the unpipelined model's.
   (l_pp, g_pp) = _sft_grad(pcfg, batch, mesh=mesh, pipeline=spec)(theta)
   (l_ref, g_ref) = _sft_grad(pcfg, batch)(theta)
-  np.testing.assert_allclose(l_pp, l_ref, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(g_pp), jax.tree.leaves(g_ref)):
-    np.testing.assert_allclose(a, b, atol=1e-6 * float(jnp.abs(b).max()) + 1e-9, rtol=1e-4)
+  np.testing.assert_allclose(l_pp, l_ref, rtol=1e-5)
+  tol.assert_grads_close(g_pp, g_ref, rtol=1e-4)
 
 
 def test_every_tap_mode_delivers_the_same_buffer(setup):
@@ -267,9 +268,9 @@ def test_channel_on_or_off_leaves_outputs_and_policy_grads_bit_identical(cotrain
   (_, m_on), g_on = res["direct"]
   (_, m_off), g_off = res["off"]
   jax.tree.map(np.testing.assert_array_equal, g_on["policy"], g_off["policy"])
+  assert {"rl_loss", "entropy"} <= set(m_on) and set(m_on) == set(m_off)
   for k in ("rl_loss", "entropy"):
-    if k in m_on:
-      np.testing.assert_array_equal(m_on[k], m_off[k])
+    np.testing.assert_array_equal(m_on[k], m_off[k])
   # ... and the draft did see different features (the channel is not a no-op)
   assert float(m_on["draft_loss"]) != float(m_off["draft_loss"])
 
@@ -283,11 +284,15 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   tx = step_lib.make_cotrain_optimizer(rl_cfg, c.draft)
   state = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
   spec = pipelined.PipelineSpec(microbatches=4, tap_mode="direct", tap_delay=True, remat=True)
+  kw_all = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=1.0, ref_params=ref)
   outs = {}
   for name, kw in (("single", {}), ("pp4_dp2", dict(mesh=mesh, pipeline=spec))):
+    # The step and its gradients in one program (XLA computes the shared forward/backward once).
+    loss = lambda t, b, kw=kw: step_lib.cotrain_loss(t, b, **kw_all, **kw)
     f = jax.jit(
-      lambda s, b, kw=kw: step_lib.cotrain_step(
-        s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, tx=tx, lam=1.0, ref_params=ref, **kw
+      lambda s, b, kw=kw, loss=loss: (
+        step_lib.cotrain_step(s, b, tx=tx, **kw_all, **kw),
+        jax.grad(loss, has_aux=True)(s["params"], b)[0],
       )
     )
     sh_batch = (
@@ -295,14 +300,22 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
       if name == "single"
       else mesh_lib.shard_batch(batch, mesh, [tuple(r) for r in layouts.DEFAULT_RULES])
     )
-    outs[name] = f(state, sh_batch)
-  (s1, m1), (s2, m2) = outs["single"], outs["pp4_dp2"]
+    outs[name] = jax.device_get(f(state, sh_batch))
+  ((s1, m1), g1), ((s2, m2), g2) = outs["single"], outs["pp4_dp2"]
+  assert set(m1) == set(m2)
   for k in m1:
-    np.testing.assert_allclose(m2[k], m1[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    # argmax agreement and clip fractions count tokens: a near-tie may move one token (~1/70)
+    discrete = k.startswith("ttt_acc") or k == "clip_frac"
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-4, atol=0.02 if discrete else 1e-6, err_msg=k)
   assert float(m1["draft_loss"]) > 0 and float(m1["draft_grad_norm"]) > 0
   assert float(m1["kl"]) > 0  # the reference term is live
-  for a, b in zip(jax.tree.leaves(s2["params"]), jax.tree.leaves(s1["params"])):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # one AdamW update (lr 2e-4)
+  # Gradients per leaf relative to its norm; the AdamW update with Adam's own tolerance (raw
+  # post-Adam parameters are decided by the last bits wherever a gradient is near zero).
+  tol.assert_grads_close(g2, g1, rtol=1e-4)
+  for part, lr in (("policy", rl_cfg.lr), ("draft", c.draft.cotrain_lr)):
+    tol.assert_adam_update_close(
+      tr[part], s2["params"][part], s1["params"][part], g2[part], g1[part], lr=lr, err=part
+    )
 
 
 # ----------------------------------------------------------------------------- compiled program

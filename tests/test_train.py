@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 
+import _tolerance as tol
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,22 +54,31 @@ def test_sharded_sft_step_equals_single_device(layout):
     state = loop.init_state(cfg, tx, mesh, rules, 0)
     sh = loop.state_shardings(state)
     bsh = mesh_lib.batch_sharding(mesh, rules)
+    grad = jax.grad(lambda p, b: step_lib.sft_loss(p, cfg, b)[0])
     f = jax.jit(
-      lambda s, b: step_lib.sft_step(s, b, cfg=cfg, tx=tx),
+      lambda s, b: (*step_lib.sft_step(s, b, cfg=cfg, tx=tx), grad(s["params"], b)),
       in_shardings=(sh, bsh),
-      out_shardings=(sh, None),
+      out_shardings=(sh, None, None),
     )
-    for _ in range(2):
-      state, m = f(state, jax.device_put(batch, bsh))
-    return jax.device_get(state), jax.device_get(m)
+    p0, b = jax.device_get(state["params"]), jax.device_put(batch, bsh)
+    out = [jax.device_get(f(state, b))]
+    out.append(jax.device_get(f(out[0][0], b)))
+    return p0, out
 
   single = default_config.get_config("smoke").parallel
   single.devices = 1
-  s1, m1 = run(single)
-  s8, m8 = run(c.parallel)
-  np.testing.assert_allclose(m1["loss"], m8["loss"], rtol=1e-5)
-  np.testing.assert_allclose(m1["grad_norm"], m8["grad_norm"], rtol=1e-4)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), s1["params"], s8["params"])
+  p0, ((s1, m1, g1), (t1, n1, _)) = run(single)
+  p0_8, ((s8, m8, g8), (t8, n8, _)) = run(c.parallel)
+  jax.tree.map(np.testing.assert_array_equal, p0_8, p0)  # the same initial parameters
+  for a, b in ((m1, m8), (n1, n8)):
+    np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-4)
+  tol.assert_grads_close(g8, g1, rtol=1e-4)
+  # The warm-up schedule starts at lr 0: step 1 moves nothing (exactly), step 2 is then Adam's
+  # first bias-corrected update from the same parameters and gradients, at most lr = c.sft.lr.
+  jax.tree.map(np.testing.assert_array_equal, s1["params"], p0)
+  jax.tree.map(np.testing.assert_array_equal, s8["params"], p0)
+  tol.assert_adam_update_close(p0, t8["params"], t1["params"], g8, g1, lr=c.sft.lr)
 
 
 def test_sft_learns_a_fixed_batch():
@@ -111,28 +121,58 @@ def test_greedy_generate_matches_naive_argmax_loop():
         break
 
 
-def test_generate_stops_rows_at_eos():
+# A bigram policy: every layer adds nothing to the residual stream (wo = w_down = 0), so the
+# logits at a position depend only on its token, through an untied head that sends token i to
+# NEXT[i] with a margin of 8 nats (log-prob log(e^8 / (e^8 + 7)), far from 0 in float32). Rows then follow fixed chains, and when each reaches EOS is
+# known beforehand: 3 -> 4 -> 5 -> EOS, while 6 <-> 7 never ends. After EOS the chain would go on
+# (EOS -> 3), so a row that is not stopped shows it.
+NEXT = {PAD: 3, 1: 3, EOS: 3, 3: 4, 4: 5, 5: EOS, 6: 7, 7: 6}
+
+
+def bigram_policy():
+  V, E = 8, 16
   cfg = pol.PolicyConfig(
-    vocab_size=8, d_model=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=16, d_ff=32
+    vocab_size=V,
+    d_model=E,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=8,
+    d_ff=32,
+    tie_embeddings=False,
   )
   params = pol.init_params(cfg, 0)
-  # Force EOS everywhere through the head bias of a tied embedding: make EOS's row dominant.
-  params["embed"] = params["embed"].at[EOS].set(params["embed"][EOS] * 0)
-  params["final_norm"] = params["final_norm"] * 0 + 1
+  params["layers"]["wo"] = jnp.zeros_like(params["layers"]["wo"])
+  params["layers"]["w_down"] = jnp.zeros_like(params["layers"]["w_down"])
+  params["embed"] = jnp.eye(V, E)
+  head = np.zeros((E, V), np.float32)
+  for i, j in NEXT.items():
+    head[i, j] = 2.0  # rms_norm(one-hot) = 4 * one-hot: logit 8
+  params["head"] = jnp.asarray(head)
+  params["final_norm"] = jnp.ones((E,))
+  return cfg, params
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_stops_rows_at_eos(temperature):
+  cfg, params = bigram_policy()
+  N = 10
+  prompts = np.array([[1, 3, 0], [1, 6, 5], [1, 6, 0], [1, 4, 0]], np.int32)
+  lengths = np.array([2, 3, 2, 2], np.int32)
+  # row 0: 4 5 EOS; row 1: EOS at once; row 2: 7 6 7 ... never stops; row 3: 5 EOS
+  want = [[4, 5, EOS], [EOS], [7, 6] * (N // 2), [5, EOS]]
   gen = autoregressive.generate(
-    params,
-    cfg,
-    np.array([[1, 3]], np.int32),
-    np.array([2]),
-    jax.random.key(1),
-    max_new_tokens=10,
-    temperature=1.0,
+    params, cfg, prompts, lengths, jax.random.key(1), max_new_tokens=N, temperature=temperature
   )
-  n = int(gen.lengths[0])
-  assert n <= 10
-  if n < 10:
-    assert int(gen.tokens[0, n - 1]) == EOS and np.all(np.asarray(gen.tokens[0, n:]) == PAD)
-    assert np.all(np.asarray(gen.logprobs[0, n:]) == 0)
+  tokens, logprobs = np.asarray(gen.tokens), np.asarray(gen.logprobs)
+  np.testing.assert_array_equal(gen.lengths, [len(w) for w in want])
+  for b, w in enumerate(want):
+    n = len(w)
+    np.testing.assert_array_equal(tokens[b, :n], w)
+    np.testing.assert_array_equal(tokens[b, n:], PAD)  # nothing after EOS ...
+    np.testing.assert_array_equal(logprobs[b, n:], 0.0)  # ... and no log-prob either
+    np.testing.assert_allclose(logprobs[b, :n], np.log(np.e**8 / (np.e**8 + 7)), rtol=1e-3)
+  assert int(gen.stats["policy_passes"]) == N + 1  # row 2 keeps the loop running to the end
 
 
 def _read(path):

@@ -49,7 +49,10 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
     )
     np.testing.assert_array_equal(np.asarray(sd.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(sd.lengths), np.asarray(ar.lengths))
-    np.testing.assert_allclose(sd.logprobs, ar.logprobs, atol=1e-5)
+    # Tokens are discrete and asserted exactly; log-probs come from the verification pass (G + 1
+    # positions at once) and from one-token decoding, whose float32 sums differ in the last bits:
+    # a tolerance that scales with the value, plus an absolute floor for log-probs near 0.
+    np.testing.assert_allclose(sd.logprobs, ar.logprobs, rtol=1e-4, atol=1e-4)
     st = jax.device_get(sd.stats)
     assert st["accept_counts"][0] > 0  # the draft is right often enough to be exercised
     assert st["policy_passes"] < int(ar.stats["policy_passes"])
