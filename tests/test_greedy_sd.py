@@ -1,0 +1,113 @@
+"""Greedy SD == greedy AR token for token, fast enough for the everyday suite.
+
+A tiny random policy and a draft distilled from it in-test for a few dozen steps, so that greedy
+drafts are partly accepted: the test asserts that drafts were both accepted and rejected, that rows
+stop at EOS at different lengths and that some rows run to the end, so it cannot pass vacuously.
+(tests/test_trained_sd.py checks the same on a policy trained on the task, in the slow suite.)
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from specdraft.decode import autoregressive, speculative
+from specdraft.decode.sampling import join_prompt_completion
+from specdraft.model import eagle3
+from specdraft.model import policy as pol
+from specdraft.tasks.tokenizer import EOS
+from specdraft.train import draft as draft_lib
+
+V, N = 16, 14  # vocabulary, new tokens per row
+
+
+@pytest.fixture(scope="module")
+def setup():
+  pcfg = pol.PolicyConfig(
+    vocab_size=V,
+    d_model=32,
+    n_layers=2,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    init_std=0.3,  # spread-out logits: clear greedy choices that depend on the context
+  )
+  dcfg = eagle3.DraftConfig(
+    d_model=32,
+    vocab_size=V,
+    n_taps=len(pcfg.taps),
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    ttt_steps=3,
+  )
+  params = pol.init_params(pcfg, 0)
+  params["embed"] = params["embed"].at[EOS].multiply(1.3)  # EOS wins in some contexts
+  rng = np.random.default_rng(0)
+  B, P = 12, 6
+  lengths = rng.integers(2, P + 1, B).astype(np.int32)  # prompts of different lengths
+  prompts = np.where(np.arange(P)[None] < lengths[:, None], rng.integers(3, V, (B, P)), 0)
+  prompts[:, 0] = 1  # BOS
+  prompts, lengths = jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths)
+  ar = autoregressive.generate(
+    params, pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N, temperature=0.0
+  )
+  # Distil the draft on the policy's own greedy rows (the TTT targets are the policy's logits).
+  batch = join_prompt_completion(prompts, lengths, ar)
+  batch["loss_mask"] = batch["segment_ids"].astype(jnp.float32)
+  dparams = eagle3.init_params(dcfg, 1, params, pcfg)
+  tx = optax.adam(1e-2)
+  st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
+  step = jax.jit(
+    lambda s: draft_lib.draft_train_step(s, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx)
+  )
+  for _ in range(40):
+    st, _ = step(st)
+  return pcfg, dcfg, params, st["params"], prompts, lengths, ar, batch
+
+
+def test_greedy_ar_rows_are_decided_and_varied(setup):
+  """The precondition: every greedy choice wins by a margin float32 reordering cannot close (so
+  SD's verification pass must pick the same tokens on any CPU), and rows end differently."""
+  pcfg, _, params, _, prompts, lengths, ar, batch = setup
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+  top2 = jax.lax.top_k(logits, 2)[0]
+  margin = np.asarray(top2[..., 0] - top2[..., 1])
+  # position t predicts token t + 1: the completion's tokens are predicted at plen-1 .. plen+n-2
+  for b in range(len(lengths)):
+    p, n = int(lengths[b]), int(ar.lengths[b])
+    assert margin[b, p - 1 : p + n - 1].min() > 1e-3, (b, margin[b, p - 1 : p + n - 1].min())
+  toks, n = np.asarray(ar.tokens), np.asarray(ar.lengths)
+  ended = np.array([EOS in t for t in toks])
+  assert ended.any() and (~ended).any(), n  # some rows stop at EOS, some run to N
+  assert len(set(n[ended].tolist())) > 1, n  # ... at different lengths
+
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_greedy_sd_equals_greedy_ar_token_for_token(setup, G):
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  sd = speculative.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts,
+    lengths,
+    jax.random.key(0),
+    max_new_tokens=N,
+    temperature=0.0,
+    num_draft=G,
+  )
+  np.testing.assert_array_equal(np.asarray(sd.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(sd.lengths), np.asarray(ar.lengths))
+  # Log-probs: the verification pass (G + 1 positions at once) and one-token decoding sum in
+  # different orders, so only a tolerance that float32 reordering cannot break (scaled with the
+  # value, with a floor near 0); tokens above are exact.
+  np.testing.assert_allclose(sd.logprobs, ar.logprobs, rtol=1e-4, atol=1e-4)
+  st = jax.device_get(sd.stats)
+  assert st["accept_counts"][0] > 0, st  # some drafts accepted ...
+  assert st["accept_counts"][0] < st["reach_counts"][0], st  # ... and some rejected
+  assert st["policy_passes"] < int(ar.stats["policy_passes"]), st
