@@ -286,7 +286,9 @@ def test_sd_logprobs_match_recompute_and_format():
     assert 1 <= n <= 9
     for i in range(n):
       tok = int(gen.tokens[b, i])
-      np.testing.assert_allclose(gen.logprobs[b, i], lp[b, P + i - 1, tok], atol=1e-5)
+      # the verification pass and the full forward sum in different orders: a float32-safe
+      # tolerance on the value (the token itself is exact)
+      np.testing.assert_allclose(gen.logprobs[b, i], lp[b, P + i - 1, tok], rtol=1e-4, atol=1e-4)
     assert np.all(np.asarray(gen.tokens[b, n:]) == 0) and np.all(
       np.asarray(gen.logprobs[b, n:]) == 0
     )

@@ -102,6 +102,7 @@ def test_greedy_generate_matches_naive_argmax_loop():
     vocab_size=99, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64
   )
   params = pol.init_params(cfg, 3)
+  params["embed"] = params["embed"] * 20.0  # spread-out logits: greedy choices by clear margins
   prompts = np.array([[1, 10, 11, 12, 13], [1, 20, 0, 0, 0], [1, 30, 31, 0, 0]], np.int32)
   lengths = np.array([5, 2, 3], np.int32)
   gen = autoregressive.generate(
@@ -113,19 +114,24 @@ def test_greedy_generate_matches_naive_argmax_loop():
       logits, _ = pol.forward(params, cfg, jnp.asarray([seq]))
       lp = jax.nn.log_softmax(logits[0, -1])
       nxt = int(jnp.argmax(logits[0, -1]))
-      assert int(gen.tokens[b, i]) == nxt
-      np.testing.assert_allclose(gen.logprobs[b, i], lp[nxt], atol=1e-5)
+      top2 = jax.lax.top_k(logits[0, -1], 2)[0]
+      assert float(top2[0] - top2[1]) > 1e-3  # a margin no float32 reordering can close ...
+      assert int(gen.tokens[b, i]) == nxt  # ... so the token is asserted exactly
+      np.testing.assert_allclose(gen.logprobs[b, i], lp[nxt], rtol=1e-4, atol=1e-4)
       seq.append(nxt)
-      if nxt == EOS:
-        assert np.all(np.asarray(gen.tokens[b, i + 1 :]) == PAD)
+      if nxt == EOS:  # the naive loop's stop (EOS stopping itself: test_generate_stops_rows_at_eos)
         break
+    n = len(seq) - int(lengths[b])
+    assert int(gen.lengths[b]) == n
+    np.testing.assert_array_equal(np.asarray(gen.tokens[b, n:]), PAD)
 
 
 # A bigram policy: every layer adds nothing to the residual stream (wo = w_down = 0), so the
 # logits at a position depend only on its token, through an untied head that sends token i to
-# NEXT[i] with a margin of 8 nats (log-prob log(e^8 / (e^8 + 7)), far from 0 in float32). Rows then follow fixed chains, and when each reaches EOS is
-# known beforehand: 3 -> 4 -> 5 -> EOS, while 6 <-> 7 never ends. After EOS the chain would go on
-# (EOS -> 3), so a row that is not stopped shows it.
+# NEXT[i] with a margin of 8 nats (log-prob log(e^8 / (e^8 + 7)), far from 0 in float32). Rows
+# then follow fixed chains, and when each reaches EOS is known beforehand: 3 -> 4 -> 5 -> EOS,
+# while 6 <-> 7 never ends. After EOS the chain would go on (EOS -> 3), so a row that is not
+# stopped shows it.
 NEXT = {PAD: 3, 1: 3, EOS: 3, 3: 4, 4: 5, 5: EOS, 6: 7, 7: 6}
 
 
