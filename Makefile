@@ -7,7 +7,7 @@ CONFIG ?= configs/default.py
 RUN_NAME ?= default
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
 
-.PHONY: run test test-slow test-all lint format clean venv
+.PHONY: run test test-slow test-all notebooks lint format clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest tests --durations=10
+
+# Executes every notebook under notebooks/ (part of `make test` too).
+notebooks: $(STAMP)
+	$(BIN)/python -m pytest tests/test_notebooks.py --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check specdraft configs experiments tests
