@@ -101,10 +101,13 @@ def rollout(r: dict) -> str:
     ]
     for x in r["rows"]
   ]
+  k = r["config"]
   head = (
     "### Rollouts: speculative decoding vs autoregressive\n\n"
-    "Tokens per second of SD and AR generation from the same trained checkpoint, per batch "
-    f"size. A draft pass costs {_f(c['draft_over_policy_seconds'], 3)}× a policy pass in time "
+    "Tokens per second of SD and AR generation from the same trained checkpoint "
+    f"({k['policy_layers']}-layer policy, d={k['d_model']}; G={k['num_draft']} draft tokens "
+    f"per round, temperature {k['temperature']:g}, {k['max_new_tokens']} new tokens, median of "
+    f"{k['repeats']} interleaved repeats), per batch size. A draft pass costs {_f(c['draft_over_policy_seconds'], 3)}× a policy pass in time "
     f"({_f(c['draft_over_policy_flops'], 2)}× in compiled FLOPs)."
   )
   table = _table(
