@@ -1,4 +1,8 @@
-"""Plain autoregressive generation with a KV cache (jittable, static shapes, per-row stop)."""
+"""Plain autoregressive generation with a KV cache (jittable, static shapes, per-row stop).
+
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens,
+V vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from specdraft.tasks.tokenizer import EOS, PAD
 def generate(
   params,
   cfg: pol.PolicyConfig,
-  prompt_BP,
+  prompt_BS,
   prompt_lengths_B,
   key,
   *,
@@ -27,45 +31,44 @@ def generate(
 
   One policy pass per generated token; the loop ends early once every row has stopped.
   """
-  B, P = prompt_BP.shape
+  B, S = prompt_BS.shape
   N = max_new_tokens
-  cache = pol.init_cache(cfg, B, P + N)
-  logits, _, cache = pol.prefill(params, cfg, cache, prompt_BP, prompt_lengths_B)
-  last = jnp.take_along_axis(logits, (prompt_lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  cache = pol.init_cache(cfg, B, S + N)
+  logits_BSV, _, cache = pol.prefill(params, cfg, cache, prompt_BS, prompt_lengths_B)
+  last_BV = jnp.take_along_axis(logits_BSV, (prompt_lengths_B - 1)[:, None, None], axis=1)[:, 0]
 
-  def cond(c):
-    step, done = c[0], c[4]
-    return (step < N) & ~jnp.all(done)
+  def cond(carry):
+    step, done_B = carry[0], carry[4]
+    return (step < N) & ~jnp.all(done_B)
 
-  def body(c):
-    step, cache, last, key, done, toks, lps, passes = c
+  def body(carry):
+    step, cache, last_BV, key, done_B, tokens_BN, logprobs_BN, passes = carry
     key, sub = jax.random.split(key)
-    tok = sample(sub, last, temperature)
-    lp = jnp.take_along_axis(jax.nn.log_softmax(last), tok[:, None], -1)[:, 0]
-    toks = toks.at[:, step].set(jnp.where(done, PAD, tok))
-    lps = lps.at[:, step].set(jnp.where(done, 0.0, lp))
-    done = done | (tok == EOS)
-    logits, _, cache = pol.decode(params, cfg, cache, tok[:, None])
-    return step + 1, cache, logits[:, 0], key, done, toks, lps, passes + 1
+    token_B = sample(sub, last_BV, temperature)
+    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(last_BV), token_B[:, None], -1)[:, 0]
+    tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
+    logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
+    done_B = done_B | (token_B == EOS)
+    logits_B1V, _, cache = pol.decode(params, cfg, cache, token_B[:, None])
+    return step + 1, cache, logits_B1V[:, 0], key, done_B, tokens_BN, logprobs_BN, passes + 1
 
   init = (
     jnp.int32(0),
     cache,
-    last,
+    last_BV,
     key,
     jnp.zeros((B,), bool),
     jnp.full((B, N), PAD, jnp.int32),
     jnp.zeros((B, N), jnp.float32),
     jnp.int32(1),
   )
-  _, _, _, _, _, toks, lps, passes = jax.lax.while_loop(cond, body, init)
-  lengths = output_lengths(toks)
-  return Generation(toks, lps, lengths, {"policy_passes": passes})
+  _, _, _, _, _, tokens_BN, logprobs_BN, passes = jax.lax.while_loop(cond, body, init)
+  return Generation(tokens_BN, logprobs_BN, output_lengths(tokens_BN), {"policy_passes": passes})
 
 
 def output_lengths(tokens_BN):
   """Generated length per row: up to and including the first EOS, else N."""
   N = tokens_BN.shape[1]
-  is_eos = tokens_BN == EOS
-  first = jnp.argmax(is_eos, axis=1)
-  return jnp.where(is_eos.any(1), first + 1, N).astype(jnp.int32)
+  is_eos_BN = tokens_BN == EOS
+  first_B = jnp.argmax(is_eos_BN, axis=1)
+  return jnp.where(is_eos_BN.any(1), first_B + 1, N).astype(jnp.int32)

@@ -49,29 +49,16 @@ def compare_rollouts(
   in each repeat, so slow phases of a shared machine hit both. Rates are medians over repeats;
   `speedup` is the ratio of the median rates and `speedup_per_repeat` the paired ratios.
   """
-  run = {
-    "ar": lambda key, t: autoregressive.generate(
-      params,
-      pcfg,
-      prompts_BS,
-      prompt_lengths_B,
-      key,
-      max_new_tokens=max_new_tokens,
-      temperature=t,
-    ),
-    "sd": lambda key, t: speculative.generate(
-      params,
-      dparams,
-      pcfg,
-      dcfg,
-      prompts_BS,
-      prompt_lengths_B,
-      key,
-      max_new_tokens=max_new_tokens,
-      temperature=t,
-      num_draft=num_draft,
-    ),
-  }
+  run = _generators(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts_BS,
+    prompt_lengths_B,
+    max_new_tokens=max_new_tokens,
+    num_draft=num_draft,
+  )
   first_call_s = {
     name: _seconds(fn, jax.random.key(seed), temperature)[0] for name, fn in run.items()
   }
@@ -94,6 +81,27 @@ def compare_rollouts(
   )
   out.update(greedy_agreement(run["ar"], run["sd"], jax.random.key(seed)))
   return out
+
+
+def _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) -> dict:
+  """{"ar": (key, temperature) -> Generation, "sd": the same with the draft}."""
+  num_draft = kw.pop("num_draft")
+  ar = lambda key, t: autoregressive.generate(
+    params, pcfg, prompts_BS, prompt_lengths_B, key, temperature=t, **kw
+  )
+  sd = lambda key, t: speculative.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts_BS,
+    prompt_lengths_B,
+    key,
+    temperature=t,
+    num_draft=num_draft,
+    **kw,
+  )
+  return {"ar": ar, "sd": sd}
 
 
 def greedy_agreement(run_ar, run_sd, key) -> dict:

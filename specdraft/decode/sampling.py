@@ -1,4 +1,8 @@
-"""Token sampling shared by autoregressive and speculative decoding."""
+"""Token sampling shared by autoregressive and speculative decoding.
+
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens,
+V vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specdraft.tasks.tokenizer import PAD
+
 
 def probs_at(logits_V, temperature: float):
-  """The distribution sampled at `temperature` (0 = greedy one-hot), float32."""
-  logits = logits_V.astype(jnp.float32)
+  """The distribution sampled at `temperature` (0 = greedy one-hot), float32; any leading axes."""
+  logits_V = logits_V.astype(jnp.float32)
   if temperature == 0:
-    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(logits / temperature, axis=-1)
+    return jax.nn.one_hot(jnp.argmax(logits_V, -1), logits_V.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(logits_V / temperature, axis=-1)
 
 
 def sample(key, logits_BV, temperature: float):
@@ -36,24 +42,22 @@ class Generation(NamedTuple):
   stats: dict
 
 
-def join_prompt_completion(prompt_BP, prompt_lengths_B, gen: Generation):
+def join_prompt_completion(prompt_BS, prompt_lengths_B, gen: Generation):
   """Rows of [prompt ; completion ; PAD] as a training batch (one document per row).
 
-  Returns a dict of [B, P+N] arrays: tokens, positions, segment_ids (1 on real tokens) and
+  Returns a dict of [B, S+N] arrays: tokens, positions, segment_ids (1 on real tokens) and
   loss_mask (1 on completion tokens), plus `logprobs` (behaviour log-probs aligned with tokens).
   """
-  from specdraft.tasks.tokenizer import PAD
-
-  B, P = prompt_BP.shape
+  B, S = prompt_BS.shape
   N = gen.tokens.shape[1]
-  i = jnp.arange(P + N)[None]
+  i = jnp.arange(S + N)[None]
   plen, glen = prompt_lengths_B[:, None], gen.lengths[:, None]
   in_prompt = i < plen
   in_gen = (i >= plen) & (i < plen + glen)
   gi = jnp.clip(i - plen, 0, N - 1)
   tokens = jnp.where(
     in_prompt,
-    jnp.take_along_axis(prompt_BP, jnp.minimum(i, P - 1), 1),
+    jnp.take_along_axis(prompt_BS, jnp.minimum(i, S - 1), 1),
     jnp.where(in_gen, jnp.take_along_axis(gen.tokens, gi, 1), PAD),
   )
   logprobs = jnp.where(in_gen, jnp.take_along_axis(gen.logprobs, gi, 1), 0.0)

@@ -5,6 +5,10 @@ Each round: the draft proposes G tokens after the pending token c; the policy ve
 or bonus token c' (tau = a + 1 tokens per round). Both KV caches roll back by setting their
 lengths. The draft then catches up on the verified positions with the policy's real features in
 one (G+1)-wide pass whose entry a is already the next round's first proposal.
+
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens, G draft
+tokens per round (G1 = G + 1 verified entries), X = N + G + 1 output buffer, V vocabulary,
+E width.
 """
 
 from __future__ import annotations
@@ -21,12 +25,6 @@ from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
 
-def _logprob(logits_BV, tok_B):
-  return jnp.take_along_axis(jax.nn.log_softmax(logits_BV.astype(jnp.float32)), tok_B[:, None], -1)[
-    :, 0
-  ]
-
-
 @functools.partial(
   jax.jit, static_argnames=("pcfg", "dcfg", "max_new_tokens", "temperature", "num_draft", "sampler")
 )
@@ -35,7 +33,7 @@ def generate(
   dparams,
   pcfg: pol.PolicyConfig,
   dcfg: eagle3.DraftConfig,
-  prompt_BP,
+  prompt_BS,
   prompt_lengths_B,
   key,
   *,
@@ -51,142 +49,172 @@ def generate(
   stats: policy_passes, draft_passes, rounds, tau_sum and row_rounds (tau = tau_sum/row_rounds),
   accept_counts[G] and reach_counts[G] (per-position conditional acceptance = accept/reach).
   """
-  B, P = prompt_BP.shape
+  models = _Models(params, dparams, pcfg, dcfg)
   N, G = max_new_tokens, num_draft
-  cap = P + N + G + 2
-  embed_table = params["embed"]
+  carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, temperature=temperature)
+  one_round = functools.partial(_round, models, N=N, G=G, temperature=temperature, sampler=sampler)
+  carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), one_round, carry)
+  lengths_B = carry["out_len"]
+  valid_BN = jnp.arange(N)[None] < lengths_B[:, None]
+  tokens_BN = jnp.where(valid_BN, carry["out"][:, :N], PAD)
+  logprobs_BN = jnp.where(valid_BN, carry["out_lp"][:, :N], 0.0)
+  return Generation(tokens_BN, logprobs_BN, lengths_B, carry["stats"])
+
+
+class _Models:
+  """The policy and the draft with their (static) configs, as every piece below needs them."""
+
+  def __init__(self, params, dparams, pcfg, dcfg):
+    self.params, self.dparams, self.pcfg, self.dcfg = params, dparams, pcfg, dcfg
+
+  def draft_step(self, dcache, feats_BTE, tokens_BT):
+    return eagle3.step(self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT)
+
+  def fuse(self, tapped_layers):
+    """The draft's input features from the policy's tapped layer outputs (Taps.layers)."""
+    return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
+
+
+def _logprob(logits_BV, tokens_B):
+  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
+  return jnp.take_along_axis(logp_BV, tokens_B[:, None], -1)[:, 0]
+
+
+def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, temperature) -> dict:
+  """Policy over the prompt and its first token; the draft over the prompt, shifted by one
+  (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
+  B, S = prompt_BS.shape
+  capacity = S + N + G + 2
   rows = jnp.arange(B)
-
-  # --- prefill: policy over the prompt, first token from the policy, draft over the prompt.
-  pcache = pol.init_cache(pcfg, B, cap)
-  logits, taps, pcache = pol.prefill(params, pcfg, pcache, prompt_BP, prompt_lengths_B)
-  last = logits[rows, prompt_lengths_B - 1]
-  key, sub = jax.random.split(key)
-  c = sample(sub, last, temperature)
-  out = jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c)
-  out_lp = jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(_logprob(last, c))
-  out_len = jnp.ones((B,), jnp.int32)
-  done = (c == EOS) | (out_len >= N)
-
-  shifted = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-  d_tokens = jnp.where(jnp.arange(P)[None] == (prompt_lengths_B - 1)[:, None], c[:, None], shifted)
-  dcache = eagle3.init_cache(dcfg, B, cap)
-  d_logits, d_hidden, dcache = eagle3.step(
-    dparams, dcfg, embed_table, dcache, eagle3.fuse(dparams, taps.layers, dcfg), d_tokens
+  last = prompt_lengths_B - 1
+  pcache = pol.init_cache(models.pcfg, B, capacity)
+  logits_BSV, taps, pcache = pol.prefill(
+    models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
   )
-  q_logits = d_logits[rows, prompt_lengths_B - 1]
-  h = d_hidden[rows, prompt_lengths_B - 1]
-  dcache = dcache._replace(lengths=prompt_lengths_B.astype(jnp.int32))
+  key, sub = jax.random.split(key)
+  c_B = sample(sub, logits_BSV[rows, last], temperature)
+  out_BX = jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B)
+  out_lp_BX = (
+    jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(_logprob(logits_BSV[rows, last], c_B))
+  )
+  out_len_B = jnp.ones((B,), jnp.int32)
 
-  stats = {
-    "policy_passes": jnp.int32(1),
-    "draft_passes": jnp.int32(1),
-    "rounds": jnp.int32(0),
-    "tau_sum": jnp.int32(0),
-    "row_rounds": jnp.int32(0),
-    "accept_counts": jnp.zeros((G,), jnp.int32),
-    "reach_counts": jnp.zeros((G,), jnp.int32),
-  }
-
-  def draft_tokens(key, q_logits, h, dcache):
-    """G proposals: the first from the carried logits, then G-1 single-entry draft steps."""
-    toks, probs = [], []
-    keys = jax.random.split(key, G)
-    for i in range(G):  # G is small and static; unrolled so the last step skips a draft pass
-      tok = sample(keys[i], q_logits, temperature)
-      toks.append(tok)
-      probs.append(probs_at(q_logits, temperature))
-      if i < G - 1:
-        lg, hh, dcache = eagle3.step(dparams, dcfg, embed_table, dcache, h[:, None], tok[:, None])
-        q_logits, h = lg[:, 0], hh[:, 0]
-    return jnp.stack(toks, 1), jnp.stack(probs, 1), dcache
-
-  def cond(carry):
-    return ~jnp.all(carry["done"])
-
-  def round_(carry):
-    key, k_draft, k_rej = jax.random.split(carry["key"], 3)
-    pcache, dcache, c = carry["pcache"], carry["dcache"], carry["c"]
-    n = pcache.lengths
-    active = ~carry["done"]
-    d, q_probs, dcache = draft_tokens(k_draft, carry["q_logits"], carry["h"], dcache)
-
-    # Verify [c, d_1..d_G] in one policy pass.
-    logits, vtaps, pcache = pol.decode(params, pcfg, pcache, jnp.concatenate([c[:, None], d], 1))
-    p_probs = probs_at(logits, temperature)
-    toks, a = sampler(k_rej, d, None if temperature == 0 else q_probs, p_probs)
-    c_new = toks[rows, a]
-    lps = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(toks, 0)[..., None], -1)[
-      ..., 0
-    ]
-
-    # Emit toks[0..a], cut at EOS and at the length limit; finished rows emit nothing.
-    idx = jnp.arange(G + 1)[None]
-    is_eos = (toks == EOS) & (idx <= a[:, None])
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), G + 1)
-    count = jnp.minimum(jnp.minimum(a + 1, first_eos + 1), N - carry["out_len"])
-    count = jnp.where(active, count, 0)
-    write = lambda buf, vals: jax.vmap(lambda b, v, s: jax.lax.dynamic_update_slice(b, v, (s,)))(
-      buf, vals, carry["out_len"]
-    )
-    keep = idx < count[:, None]
-    out = write(
-      carry["out"],
-      jnp.where(keep, toks, carry["out"][rows[:, None], carry["out_len"][:, None] + idx]),
-    )
-    out_lp = write(carry["out_lp"], jnp.where(keep, lps, 0.0))
-    out_len = carry["out_len"] + count
-    done = carry["done"] | (first_eos <= a) | (out_len >= N)
-
-    # Roll back both caches to the verified prefix [.., c, d_1..d_a]; draft catches up.
-    new_n = jnp.where(active, n + a + 1, n)
-    pcache = pcache._replace(lengths=new_n)
-    feats = eagle3.fuse(dparams, vtaps.layers, dcfg)
-    catch_toks = jnp.where(idx <= a[:, None], toks, 0)
-    dl, dh, dcache = eagle3.step(
-      dparams, dcfg, embed_table, dcache._replace(lengths=n), feats, catch_toks
-    )
-    dcache = dcache._replace(lengths=new_n)
-
-    st = dict(carry["stats"])
-    pos = jnp.arange(G)[None]
-    st["policy_passes"] += 1
-    st["draft_passes"] += G
-    st["rounds"] += 1
-    st["tau_sum"] += jnp.sum(jnp.where(active, a + 1, 0))
-    st["row_rounds"] += jnp.sum(active)
-    st["reach_counts"] += jnp.sum(active[:, None] & (a[:, None] >= pos), 0)
-    st["accept_counts"] += jnp.sum(active[:, None] & (a[:, None] > pos), 0)
-    return {
-      "key": key,
-      "pcache": pcache,
-      "dcache": dcache,
-      "c": jnp.where(active, c_new, c),
-      "q_logits": dl[rows, a],
-      "h": dh[rows, a],
-      "out": out,
-      "out_lp": out_lp,
-      "out_len": out_len,
-      "done": done,
-      "stats": st,
-    }
-
-  carry = {
+  shifted_BS = jnp.concatenate([prompt_BS[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+  d_tokens_BS = jnp.where(jnp.arange(S)[None] == last[:, None], c_B[:, None], shifted_BS)
+  dcache = eagle3.init_cache(models.dcfg, B, capacity)
+  d_logits_BSV, d_hidden_BSE, dcache = models.draft_step(
+    dcache, models.fuse(taps.layers), d_tokens_BS
+  )
+  return {
     "key": key,
     "pcache": pcache,
-    "dcache": dcache,
-    "c": c,
-    "q_logits": q_logits,
-    "h": h,
+    "dcache": dcache._replace(lengths=prompt_lengths_B.astype(jnp.int32)),
+    "c": c_B,
+    "q_logits": d_logits_BSV[rows, last],
+    "h": d_hidden_BSE[rows, last],
+    "out": out_BX,
+    "out_lp": out_lp_BX,
+    "out_len": out_len_B,
+    "done": (c_B == EOS) | (out_len_B >= N),
+    "stats": {
+      "policy_passes": jnp.int32(1),
+      "draft_passes": jnp.int32(1),
+      "rounds": jnp.int32(0),
+      "tau_sum": jnp.int32(0),
+      "row_rounds": jnp.int32(0),
+      "accept_counts": jnp.zeros((G,), jnp.int32),
+      "reach_counts": jnp.zeros((G,), jnp.int32),
+    },
+  }
+
+
+def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, temperature):
+  """G proposals: the first from the carried logits, then G-1 single-entry draft steps."""
+  tokens, probs = [], []
+  keys = jax.random.split(key, G)
+  for i in range(G):  # G is small and static; unrolled so the last step skips a draft pass
+    token_B = sample(keys[i], q_logits_BV, temperature)
+    tokens.append(token_B)
+    probs.append(probs_at(q_logits_BV, temperature))
+    if i < G - 1:
+      logits_B1V, h_B1E, dcache = models.draft_step(dcache, h_BE[:, None], token_B[:, None])
+      q_logits_BV, h_BE = logits_B1V[:, 0], h_B1E[:, 0]
+  return jnp.stack(tokens, 1), jnp.stack(probs, 1), dcache
+
+
+def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G):
+  """Writes tokens[0..a] after each row's output, cut at EOS and at N; finished rows emit
+  nothing. Returns (out, out_lp, out_len, done)."""
+  rows = jnp.arange(tokens_BG1.shape[0])
+  idx = jnp.arange(G + 1)[None]
+  out_len_B = carry["out_len"]
+  is_eos = (tokens_BG1 == EOS) & (idx <= a_B[:, None])
+  first_eos_B = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), G + 1)
+  count_B = jnp.minimum(jnp.minimum(a_B + 1, first_eos_B + 1), N - out_len_B)
+  count_B = jnp.where(active_B, count_B, 0)
+  write = lambda buf, vals: jax.vmap(lambda b, v, s: jax.lax.dynamic_update_slice(b, v, (s,)))(
+    buf, vals, out_len_B
+  )
+  keep = idx < count_B[:, None]
+  current = carry["out"][rows[:, None], out_len_B[:, None] + idx]
+  out = write(carry["out"], jnp.where(keep, tokens_BG1, current))
+  out_lp = write(carry["out_lp"], jnp.where(keep, logprobs_BG1, 0.0))
+  out_len_B = out_len_B + count_B
+  done_B = carry["done"] | (first_eos_B <= a_B) | (out_len_B >= N)
+  return out, out_lp, out_len_B, done_B
+
+
+def _count(stats: dict, active_B, a_B, *, G) -> dict:
+  """Adds one round to the decoding statistics (only rows still generating count)."""
+  st = dict(stats)
+  pos = jnp.arange(G)[None]
+  st["policy_passes"] += 1
+  st["draft_passes"] += G
+  st["rounds"] += 1
+  st["tau_sum"] += jnp.sum(jnp.where(active_B, a_B + 1, 0))
+  st["row_rounds"] += jnp.sum(active_B)
+  st["reach_counts"] += jnp.sum(active_B[:, None] & (a_B[:, None] >= pos), 0)
+  st["accept_counts"] += jnp.sum(active_B[:, None] & (a_B[:, None] > pos), 0)
+  return st
+
+
+def _round(models: _Models, carry, *, N, G, temperature, sampler):
+  """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up."""
+  key, k_draft, k_rej = jax.random.split(carry["key"], 3)
+  pcache, c_B = carry["pcache"], carry["c"]
+  n_B = pcache.lengths
+  active_B = ~carry["done"]
+  rows = jnp.arange(c_B.shape[0])
+  draft_BG, q_probs_BGV, dcache = _draft_tokens(
+    models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], G=G, temperature=temperature
+  )
+
+  # Verify [c, d_1..d_G] in one policy pass.
+  verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
+  logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
+  p_probs_BG1V = probs_at(logits_BG1V, temperature)
+  q_probs_BGV = None if temperature == 0 else q_probs_BGV
+  tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
+  logp_BG1V = jax.nn.log_softmax(logits_BG1V)
+  logprobs_BG1 = jnp.take_along_axis(logp_BG1V, jnp.maximum(tokens_BG1, 0)[..., None], -1)[..., 0]
+  out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
+
+  # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
+  new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
+  catch_up_BG1 = jnp.where(jnp.arange(G + 1)[None] <= a_B[:, None], tokens_BG1, 0)
+  d_logits_BG1V, d_hidden_BG1E, dcache = models.draft_step(
+    dcache._replace(lengths=n_B), models.fuse(vtaps.layers), catch_up_BG1
+  )
+  return {
+    "key": key,
+    "pcache": pcache._replace(lengths=new_n_B),
+    "dcache": dcache._replace(lengths=new_n_B),
+    "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
+    "q_logits": d_logits_BG1V[rows, a_B],
+    "h": d_hidden_BG1E[rows, a_B],
     "out": out,
     "out_lp": out_lp,
-    "out_len": out_len,
-    "done": done,
-    "stats": stats,
+    "out_len": out_len_B,
+    "done": done_B,
+    "stats": _count(carry["stats"], active_B, a_B, G=G),
   }
-  carry = jax.lax.while_loop(cond, round_, carry)
-  lengths = carry["out_len"]
-  valid = jnp.arange(N)[None] < lengths[:, None]
-  tokens = jnp.where(valid, carry["out"][:, :N], PAD)
-  logprobs = jnp.where(valid, carry["out_lp"][:, :N], 0.0)
-  return Generation(tokens, logprobs, lengths, carry["stats"])
