@@ -8,32 +8,50 @@ IMPLS = ("dense", "ring", "allgather")
 BRANCHES = ("ttt", "block")
 
 
-def check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch):
+def check_branch_shapes(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, branch):
   """Raises ValueError naming the offending argument when shapes or options do not fit."""
   if branch not in BRANCHES:
     raise ValueError(f"branch={branch!r} is not valid; expected one of {BRANCHES}")
-  if q.ndim != 4:
-    raise ValueError(f"q must be [B,S,H,D], got shape {q.shape}")
-  B, S, H, D = q.shape
-  if k.shape != v.shape or k.ndim != 4 or k.shape[:2] != (B, S) or k.shape[3] != D:
-    raise ValueError(f"k and v must be [B,S,K,D]=[{B},{S},K,{D}], got k{k.shape} v{v.shape}")
-  K = k.shape[2]
+  if q_BSHD.ndim != 4:
+    raise ValueError(f"q must be [B,S,H,D], got shape {q_BSHD.shape}")
+  B, S, H, D = q_BSHD.shape
+  if (
+    k_BSKD.shape != v_BSKD.shape
+    or k_BSKD.ndim != 4
+    or k_BSKD.shape[:2] != (B, S)
+    or k_BSKD.shape[3] != D
+  ):
+    raise ValueError(
+      f"k and v must be [B,S,K,D]=[{B},{S},K,{D}], got k{k_BSKD.shape} v{v_BSKD.shape}"
+    )
+  K = k_BSKD.shape[2]
   if H % K:
     raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA)")
-  if q_br.ndim != 5 or q_br.shape[:2] != (B, S) or q_br.shape[3:] != (H, D):
-    raise ValueError(f"q_br must be [B,S,W,H,D]=[{B},{S},W,{H},{D}], got {q_br.shape}")
-  W = q_br.shape[2]
+  if q_BSWHD.ndim != 5 or q_BSWHD.shape[:2] != (B, S) or q_BSWHD.shape[3:] != (H, D):
+    raise ValueError(f"q_br must be [B,S,W,H,D]=[{B},{S},W,{H},{D}], got {q_BSWHD.shape}")
+  W = q_BSWHD.shape[2]
   want = (B, S, W, K, D)
-  if k_br.shape != want or v_br.shape != want:
+  if k_BSWKD.shape != want or v_BSWKD.shape != want:
     raise ValueError(
-      f"k_br and v_br must be [B,S,W,K,D]={want}, got k_br{k_br.shape} v_br{v_br.shape}"
+      f"k_br and v_br must be [B,S,W,K,D]={want}, got k_br{k_BSWKD.shape} v_br{v_BSWKD.shape}"
     )
-  if segment_ids.shape != (B, S):
-    raise ValueError(f"segment_ids must be [B,S]=[{B},{S}], got {segment_ids.shape}")
+  if segment_ids_BS.shape != (B, S):
+    raise ValueError(f"segment_ids must be [B,S]=[{B},{S}], got {segment_ids_BS.shape}")
 
 
 def branch_attention(
-  q, k, v, q_br, k_br, v_br, segment_ids, *, branch, impl="dense", mesh=None, cp_axis="cp"
+  q_BSHD,
+  k_BSKD,
+  v_BSKD,
+  q_BSWHD,
+  k_BSWKD,
+  v_BSWKD,
+  segment_ids_BS,
+  *,
+  branch,
+  impl="dense",
+  mesh=None,
+  cp_axis="cp",
 ):
   """Trunk + branch attention (docs/design.md "Branch attention").
 
@@ -45,30 +63,40 @@ def branch_attention(
     mesh, cp_axis: the mesh and its context-parallel axis, for the sharded implementations.
   Returns (out [B,S,H,D], out_br [B,S,W,H,D]) in q's dtype.
   """
-  check_branch_shapes(q, k, v, q_br, k_br, v_br, segment_ids, branch)
+  check_branch_shapes(q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, branch)
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not available; expected one of {IMPLS}")
   if impl in ("ring", "allgather"):
     return context_parallel(
-      q, k, v, q_br, k_br, v_br, segment_ids, branch=branch, impl=impl, mesh=mesh, cp_axis=cp_axis
+      q_BSHD,
+      k_BSKD,
+      v_BSKD,
+      q_BSWHD,
+      k_BSWKD,
+      v_BSWKD,
+      segment_ids_BS,
+      branch=branch,
+      impl=impl,
+      mesh=mesh,
+      cp_axis=cp_axis,
     )
-  if q_br.shape[2] == 0:  # no branch entries: trunk only
-    out = reference.causal_attention(q, k, v, segment_ids)
-    return out, q_br
+  if q_BSWHD.shape[2] == 0:  # no branch entries: trunk only
+    out = reference.causal_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids_BS)
+    return out, q_BSWHD
   out, out_br, _, _ = reference.branch_attention_dense(
-    q, k, v, q_br, k_br, v_br, segment_ids, branch=branch
+    q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS, branch=branch
   )
-  return out.astype(q.dtype), out_br.astype(q_br.dtype)
+  return out.astype(q_BSHD.dtype), out_br.astype(q_BSWHD.dtype)
 
 
 def context_parallel(
-  q,
-  k,
-  v,
-  q_br,
-  k_br,
-  v_br,
-  segment_ids,
+  q_BSHD,
+  k_BSKD,
+  v_BSKD,
+  q_BSWHD,
+  k_BSWKD,
+  v_BSWKD,
+  segment_ids_BS,
   *,
   branch,
   impl,
@@ -82,7 +110,7 @@ def context_parallel(
   undoes the layout. The model path calls the per-shard functions directly instead."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import PartitionSpec
 
   from specdraft.attention import ring
   from specdraft.parallel import zigzag
@@ -90,17 +118,20 @@ def context_parallel(
   if mesh is None or cp_axis not in mesh.shape:
     raise ValueError(f"impl={impl!r} needs a mesh with a {cp_axis!r} axis (got mesh={mesh})")
   cp = mesh.shape[cp_axis]
-  B, S = segment_ids.shape
+  B, S = segment_ids_BS.shape
   S_pad = zigzag.padded_length(S, cp)
-  pos = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
+  pos_BS = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
   lay = lambda x: zigzag.to_zigzag(zigzag.pad(x, S_pad), cp)
-  args = [lay(x) for x in (q, k, v, q_br, k_br, v_br, segment_ids.astype(jnp.int32))]
-  args.append(zigzag.to_zigzag(pos, cp))
+  args = [
+    lay(x)
+    for x in (q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS.astype(jnp.int32))
+  ]
+  args.append(zigzag.to_zigzag(pos_BS, cp))
   body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
   kw = dict(branch=branch, axis_name=cp_axis, cp=cp, tile=tile)
   if impl == "ring":
     kw["custom_grad"] = custom_grad
-  spec = P(None, cp_axis)  # every per-token array is sharded on its sequence axis
+  spec = PartitionSpec(None, cp_axis)  # every per-token array is sharded on its sequence axis
   fn = jax.shard_map(
     lambda *a: body(*a, **kw),
     mesh=mesh,

@@ -7,8 +7,8 @@ where `strict` is 0 for trunk and TTT-branch queries and 1 for block-branch quer
 trunk keys s < t). Masks use only positions and segment ids, so they are exact under any layout.
 Empty rows give (0, -inf) and receive zero gradient.
 
-Shape letters: B batch, T query rows, S key rows, H heads, K kv heads, G = H // K, D head dim,
-W branch width.
+Shape letters: B batch, T query rows, S key rows, H heads, K kv heads, Q = H // K query heads
+per kv head, D head dim, W branch width.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _merge_tiles(x, axis=1):
 
 
 def _scores(q, k, scale):
-  """q [B,T,K,G,D], k [B,S,K,D] -> [B,K,G,T,S] float32."""
-  return jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+  """q [B,T,K,Q,D], k [B,S,K,D] -> [B,K,Q,T,S] float32."""
+  return jnp.einsum("btkqd,bskd->bkqts", q, k, preferred_element_type=jnp.float32) * scale
 
 
 def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k: int = 512):
@@ -70,11 +70,11 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
   """
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  G = H // K
+  Q = H // K
   scale = D**-0.5
   # Inputs stay in their dtype; each tile is upcast on its own, so no full-size float32 copy
   # of q, k or v is ever materialised.
-  q = q_BTHD.reshape(B, T, K, G, D)
+  q = q_BTHD.reshape(B, T, K, Q, D)
   k, v = k_BSKD, v_BSKD
   tq, tk = _tile(T, tile_q), _tile(S, tile_k)
 
@@ -93,13 +93,13 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
       l = l * corr + p.sum(-1)
-      acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, vt)
+      acc = acc * corr[..., None] + jnp.einsum("bkqts,bskd->bkqtd", p, vt)
       return (m_new, l, acc), None
 
     init = (
-      jnp.full((B, K, G, tq), _MASKED, jnp.float32),
-      jnp.zeros((B, K, G, tq), jnp.float32),
-      jnp.zeros((B, K, G, tq, D), jnp.float32),
+      jnp.full((B, K, Q, tq), _MASKED, jnp.float32),
+      jnp.zeros((B, K, Q, tq), jnp.float32),
+      jnp.zeros((B, K, Q, tq, D), jnp.float32),
     )
     nk = S // tk
     # Rematerialised under autodiff (the all-gather path): the backward keeps per-step carries,
@@ -111,7 +111,7 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
     )
     ok = l > 0
     safe = jnp.where(ok, l, 1.0)
-    out = jnp.moveaxis(acc / safe[..., None], 3, 1)  # [B,tq,K,G,D]
+    out = jnp.moveaxis(acc / safe[..., None], 3, 1)  # [B,tq,K,Q,D]
     lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
     return out.reshape(B, tq, H, D), lse.reshape(B, H, tq)
 
@@ -139,18 +139,19 @@ def blk_bwd(
 ):
   """Gradients of one block given the FINAL (merged) lse and delta = rowsum(dO * O).
 
-  Every block's backward is local: P = exp(S - lse), dV = P^T dO, dS = P (dO V^T - delta).
+  Every block's backward is local: with probabilities p = exp(s - lse), dV = p^T dO and
+  ds = p (dO V^T - delta).
   Returns (dq_BTHD, dk_BSKD, dv_BSKD) in float32.
   """
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  G = H // K
+  Q = H // K
   scale = D**-0.5
-  q = q_BTHD.reshape(B, T, K, G, D)
-  do = do_BTHD.reshape(B, T, K, G, D)
+  q = q_BTHD.reshape(B, T, K, Q, D)
+  do = do_BTHD.reshape(B, T, K, Q, D)
   k, v = k_BSKD, v_BSKD
-  lse = lse_BHT.reshape(B, K, G, T)
-  delta = delta_BHT.reshape(B, K, G, T)
+  lse = lse_BHT.reshape(B, K, Q, T)
+  delta = delta_BHT.reshape(B, K, Q, T)
   finite = jnp.isfinite(lse)
   lse = jnp.where(finite, lse, 0.0)
   tq, tk = _tile(T, tile_q), _tile(S, tile_k)
@@ -175,15 +176,15 @@ def blk_bwd(
       dk, dv = carry
       qt, dot, lt, dlt, ft, qpos, qseg, qstr = qargs
       qt, dot = qt.astype(jnp.float32), dot.astype(jnp.float32)
-      lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,G,tq]
+      lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,Q,tq]
       mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
       s = _scores(qt, kt, scale)
       p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lt[..., None]), 0.0)
-      dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, dot)
-      dp = jnp.einsum("btkgd,bskd->bkgts", dot, vt)
+      dv = dv + jnp.einsum("bkqts,btkqd->bskd", p, dot)
+      dp = jnp.einsum("btkqd,bskd->bkqts", dot, vt)
       ds = p * (dp - dlt[..., None])
-      dq_t = jnp.einsum("bkgts,bskd->btkgd", ds, kt) * scale
-      dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qt) * scale
+      dq_t = jnp.einsum("bkqts,bskd->btkqd", ds, kt) * scale
+      dk = dk + jnp.einsum("bkqts,btkqd->bskd", ds, qt) * scale
       return (dk, dv), dq_t
 
     zeros = jnp.zeros((B, tk, K, D), jnp.float32)
@@ -193,7 +194,7 @@ def blk_bwd(
 
   dq, (dk_t, dv_t) = jax.lax.scan(
     k_tile,
-    jnp.zeros((B, T, K, G, D), jnp.float32),
+    jnp.zeros((B, T, K, Q, D), jnp.float32),
     (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)),
   )
   return dq.reshape(B, T, H, D), _merge_tiles(dk_t), _merge_tiles(dv_t)
@@ -222,11 +223,11 @@ def branch_local(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch: str):
   """
   B, S, W, H, D = q_BSWHD.shape
   K = k_BSWKD.shape[3]
-  G = H // K
-  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
-  s = jnp.einsum("btjkgd,btikd->bkgtji", q, k_BSWKD.astype(jnp.float32)) * D**-0.5
+  Q = H // K
+  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
+  s = jnp.einsum("btjkqd,btikd->bkqtji", q, k_BSWKD.astype(jnp.float32)) * D**-0.5
   p, lse = reference.masked_softmax(s, _branch_mask(seg_BS, W, branch))
-  out = jnp.einsum("bkgtji,btikd->btjkgd", p, v_BSWKD.astype(jnp.float32))
+  out = jnp.einsum("bkqtji,btikd->btjkqd", p, v_BSWKD.astype(jnp.float32))
   return out.reshape(B, S, W, H, D), lse.reshape(B, H, S, W)
 
 
@@ -239,22 +240,22 @@ def branch_local_bwd(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch, do_BSWHD, lse_BH
   """Gradients of the branch-local block from the final lse (closed form)."""
   B, S, W, H, D = q_BSWHD.shape
   K = k_BSWKD.shape[3]
-  G = H // K
+  Q = H // K
   scale = D**-0.5
-  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
-  do = do_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
+  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
+  do = do_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
   k, v = k_BSWKD.astype(jnp.float32), v_BSWKD.astype(jnp.float32)
-  lse = lse_BHSW.reshape(B, K, G, S, W)
-  delta = delta_BHSW.reshape(B, K, G, S, W)
+  lse = lse_BHSW.reshape(B, K, Q, S, W)
+  delta = delta_BHSW.reshape(B, K, Q, S, W)
   finite = jnp.isfinite(lse)
   mask = _branch_mask(seg_BS, W, branch) & finite[..., None]
-  s = jnp.einsum("btjkgd,btikd->bkgtji", q, k) * scale
+  s = jnp.einsum("btjkqd,btikd->bkqtji", q, k) * scale
   p = jnp.where(
     mask, jnp.exp(jnp.where(mask, s, 0.0) - jnp.where(finite, lse, 0.0)[..., None]), 0.0
   )
-  dv = jnp.einsum("bkgtji,btjkgd->btikd", p, do)
-  dp = jnp.einsum("btjkgd,btikd->bkgtji", do, v)
+  dv = jnp.einsum("bkqtji,btjkqd->btikd", p, do)
+  dp = jnp.einsum("btjkqd,btikd->bkqtji", do, v)
   ds = p * (dp - delta[..., None])
-  dq = jnp.einsum("bkgtji,btikd->btjkgd", ds, k) * scale
-  dk = jnp.einsum("bkgtji,btjkgd->btikd", ds, q) * scale
+  dq = jnp.einsum("bkqtji,btikd->btjkqd", ds, k) * scale
+  dk = jnp.einsum("bkqtji,btjkqd->btikd", ds, q) * scale
   return dq.reshape(B, S, W, H, D), dk, dv

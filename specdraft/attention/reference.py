@@ -4,7 +4,7 @@ Every other implementation (ring, all-gather, kernels) is tested against these f
 and gradient. Masks use only (position, segment id); segment 0 is padding.
 
 Shape letters: B batch, S keys / trunk length, T queries, W branch width, H query heads,
-K kv heads, G = H // K query heads per kv head, D head dim.
+K kv heads, Q = H // K query heads per kv head (the GQA group), D head dim.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ def masked_attention(q_BTHD, k_BSKD, v_BSKD, mask_BTS, *, scale=None):
   K = k_BSKD.shape[2]
   if H % K:
     raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
-  G = H // K
+  Q = H // K
   scale = D**-0.5 if scale is None else scale
-  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, D)
+  q = q_BTHD.astype(jnp.float32).reshape(B, T, K, Q, D)
   k = k_BSKD.astype(jnp.float32)
   v = v_BSKD.astype(jnp.float32)
-  s_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
-  p, lse = masked_softmax(s_BKGTS, mask_BTS[:, None, None, :, :])
-  out = jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, H, D)
+  s_BKQTS = jnp.einsum("btkqd,bskd->bkqts", q, k) * scale
+  p, lse = masked_softmax(s_BKQTS, mask_BTS[:, None, None, :, :])
+  out = jnp.einsum("bkqts,bskd->btkqd", p, v).reshape(B, T, H, D)
   return out, lse.reshape(B, H, T)
 
 
@@ -85,7 +85,7 @@ def branch_attention_dense(
   B, S, H, D = q_BSHD.shape
   W = q_BSWHD.shape[2]
   K = k_BSKD.shape[2]
-  G = H // K
+  Q = H // K
   scale = D**-0.5
   seg = segment_ids_BS
   pos = jnp.arange(S)
@@ -106,13 +106,13 @@ def branch_attention_dense(
   mask_br = br_vis_WW[None, None] & valid_T[:, :, None, None]
   mask_BTWX = jnp.concatenate([mask_trunk, mask_br], axis=-1)
 
-  qb = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, G, D)
-  s_trunk = jnp.einsum("btwkgd,bskd->bkgtws", qb, k_BSKD.astype(jnp.float32))
-  s_br = jnp.einsum("btwkgd,btikd->bkgtwi", qb, k_BSWKD.astype(jnp.float32))
+  qb = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
+  s_trunk = jnp.einsum("btwkqd,bskd->bkqtws", qb, k_BSKD.astype(jnp.float32))
+  s_br = jnp.einsum("btwkqd,btikd->bkqtwi", qb, k_BSWKD.astype(jnp.float32))
   s = jnp.concatenate([s_trunk, s_br], axis=-1) * scale
   p, lse_br = masked_softmax(s, mask_BTWX[:, None, None])
-  out_br = jnp.einsum("bkgtws,bskd->btwkgd", p[..., :S], v_BSKD.astype(jnp.float32)) + jnp.einsum(
-    "bkgtwi,btikd->btwkgd", p[..., S:], v_BSWKD.astype(jnp.float32)
+  out_br = jnp.einsum("bkqtws,bskd->btwkqd", p[..., :S], v_BSKD.astype(jnp.float32)) + jnp.einsum(
+    "bkqtwi,btikd->btwkqd", p[..., S:], v_BSWKD.astype(jnp.float32)
   )
   out_br = out_br.reshape(B, S, W, H, D)
   return out, out_br, lse, lse_br.reshape(B, H, S, W)
