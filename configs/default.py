@@ -73,7 +73,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # EAGLE-3 draft; 0 for a dimension means "the policy's".
   c.draft = ml_collections.ConfigDict(
     dict(
-      kind="eagle3",
       n_heads=0,
       n_kv_heads=0,
       head_dim=0,
@@ -120,7 +119,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # none (autoregressive).
   c.rollout = ml_collections.ConfigDict(dict(draft="cotrained"))
 
-  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, temperature=0.0, num_draft=5))
+  # Generation length everywhere (RL rollouts may override it) and G, the tokens drafted per SD
+  # round. Sampling temperatures live with their use: rl.temperature (rollouts),
+  # draft.rollout_temperature (distillation data), eval.sd_temperature (the SD-vs-AR report);
+  # held-out accuracy is always greedy.
+  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, num_draft=5))
   c.eval = ml_collections.ConfigDict(
     dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0)
   )

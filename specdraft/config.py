@@ -46,8 +46,19 @@ def _fail(field, value, valid):
 
 
 def validate(config, *, num_devices: int | None = None) -> None:
-  """Checks every knob the run depends on; raises ValueError naming the field."""
-  m = config.model
+  """Checks every knob the run depends on; raises ValueError naming the field, its value and
+  what is valid."""
+  _validate_model(config.model)
+  _validate_task_and_data(config)
+  _validate_decoding(config)
+  _validate_draft(config)
+  _validate_rl(config)
+  _validate_layout(config, num_devices)
+  if CharTokenizer().vocab_size < 4:
+    raise AssertionError("tokenizer vocabulary is broken")
+
+
+def _validate_model(m) -> None:
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
     if int(m[f]) < 1:
       _fail(f"model.{f}", m[f], "must be >= 1")
@@ -70,33 +81,43 @@ def validate(config, *, num_devices: int | None = None) -> None:
     if len(set(taps)) != len(taps):
       _fail("model.tap_layers", taps, "tap layers must be distinct")
 
-  t = config.task
+
+def _validate_task_and_data(config) -> None:
+  """The task (its difficulty knobs are checked by the task itself) and the SFT batches."""
+  t, d = config.task, config.data
   if t.name not in TASKS:
     _fail("task.name", t.name, f"expected one of {TASKS}")
-  task = make_task(t)  # difficulty knobs are checked by the task itself
+  task = make_task(t)
   if t.num_train < 1 or t.num_test < 1:
     _fail("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
-
-  d = config.data
   if d.batch_size < 1:
     _fail("data.batch_size", d.batch_size, "must be >= 1")
   need = task.max_length() + 2  # BOS and EOS
   if d.seq_len < need:
     _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
-
-  dec = config.decode
-  if dec.temperature < 0:
-    _fail("decode.temperature", dec.temperature, "must be >= 0 (0 = greedy)")
-  if dec.max_new_tokens < 1:
-    _fail("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
-
   s = config.sft
   if s.steps < 0 or s.lr <= 0:
     _fail("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
 
-  dr = config.draft
-  if dr.kind != "eagle3":
-    _fail("draft.kind", dr.kind, "expected 'eagle3'")
+
+def _validate_decoding(config) -> None:
+  dec = config.decode
+  if dec.max_new_tokens < 1:
+    _fail("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
+  if dec.num_draft < 1:
+    _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
+  # Sampling temperatures: RL rollouts, draft distillation and the SD-vs-AR report.
+  for field, value in (
+    ("rl.temperature", config.rl.temperature),
+    ("draft.rollout_temperature", config.draft.rollout_temperature),
+    ("eval.sd_temperature", config.eval.sd_temperature),
+  ):
+    if value < 0:
+      _fail(field, value, "must be >= 0 (0 = greedy)")
+
+
+def _validate_draft(config) -> None:
+  m, dr = config.model, config.draft
   if dr.ttt_steps < 1:
     _fail("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
   if not 0 < dr.ttt_decay <= 1:
@@ -110,12 +131,12 @@ def validate(config, *, num_devices: int | None = None) -> None:
     _fail("draft.attn_impl", dr.attn_impl, "needs a layout with a cp axis")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
-  if dec.num_draft < 1:
-    _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
 
-  rl = config.rl
+
+def _validate_rl(config) -> None:
   from specdraft.rl import grpo
 
+  rl = config.rl
   if rl.advantage not in grpo.ADVANTAGES:
     _fail("rl.advantage", rl.advantage, f"expected one of {grpo.ADVANTAGES}")
   if rl.aggregation not in grpo.AGGREGATIONS:
@@ -133,15 +154,18 @@ def validate(config, *, num_devices: int | None = None) -> None:
   if config.rollout.draft != "none" and config.draft.pretrain_steps == 0 and rl.steps > 0:
     print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
 
-  p = config.parallel
+
+def _validate_layout(config, num_devices: int | None) -> None:
+  """The mesh covers the devices, and every batch splits over the data-parallel axes."""
+  p, rl = config.parallel, config.rl
   if p.name not in layouts.LAYOUTS and p.name != "custom":
     _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
   check_mesh(p, num_devices)
   dp = int(p.mesh.data) * int(p.mesh.fsdp)
-  if d.batch_size % dp:
+  if config.data.batch_size % dp:
     _fail(
       "data.batch_size",
-      d.batch_size,
+      config.data.batch_size,
       f"must be divisible by data*fsdp={dp} (parallel.layout={p.name!r})",
     )
   if (rl.prompts_per_step * rl.group_size) % dp:
@@ -155,8 +179,6 @@ def validate(config, *, num_devices: int | None = None) -> None:
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
     _validate_pipeline(config, pp)
-  if CharTokenizer().vocab_size < 4:
-    raise AssertionError("tokenizer vocabulary is broken")
 
 
 def _validate_pipeline(config, pp: int) -> None:

@@ -38,7 +38,7 @@ def test_parse_arg():
     ("model.head_dim", 7, "model.head_dim=7"),
     ("task.name", "sudoku", "task.name='sudoku'"),
     ("data.seq_len", 8, r"data.seq_len=8 .*needs"),
-    ("decode.temperature", -1.0, "decode.temperature"),
+    ("rl.temperature", -1.0, r"rl.temperature=-1.0 is invalid"),
     ("data.batch_size", 6, r"data.batch_size=6 .*data\*fsdp=8"),
     ("parallel.mesh.data", 4, "mesh size 4 .* cover 8 devices"),
     ("parallel.devices", 16, r"parallel.devices=16 is invalid"),
