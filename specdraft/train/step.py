@@ -217,28 +217,17 @@ def cotrain_loss(
     mesh=None if pipeline is not None else mesh,
   )
   if pipeline is not None:
-    from specdraft.model import pipelined
-
-    if attn_impl != "dense":
-      raise ValueError(
-        f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
-        "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')"
-      )
-
-    def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
-      ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
-      return objective(theta, phi, logits, taps, batch, ref_logp)
-
-    return pipelined.loss(
+    return _pipelined_cotrain_loss(
+      objective,
       theta,
       phi,
       batch,
-      on_last_stage,
       pcfg=pcfg,
       mesh=mesh,
-      spec=pipeline,
+      pipeline=pipeline,
       stop_tap_gradient=stop_tap_gradient,
       ref_theta=ref_params if use_ref else None,
+      attn_impl=attn_impl,
     )
   logits, taps = pol.forward(
     theta,
@@ -259,6 +248,35 @@ def cotrain_loss(
     )
     ref_logp = completion_logprobs(ref_logits, batch["tokens"])
   return objective(theta, phi, logits, taps, batch, ref_logp)
+
+
+def _pipelined_cotrain_loss(
+  objective, theta, phi, batch, *, pcfg, mesh, pipeline, stop_tap_gradient, ref_theta, attn_impl
+):
+  """`cotrain_loss` with the policy as a pipeline over 'pp' and `objective` on the last stage."""
+  from specdraft.model import pipelined
+
+  if attn_impl != "dense":
+    raise ValueError(
+      f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
+      "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')"
+    )
+
+  def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
+    ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
+    return objective(theta, phi, logits, taps, batch, ref_logp)
+
+  return pipelined.loss(
+    theta,
+    phi,
+    batch,
+    on_last_stage,
+    pcfg=pcfg,
+    mesh=mesh,
+    spec=pipeline,
+    stop_tap_gradient=stop_tap_gradient,
+    ref_theta=ref_theta,
+  )
 
 
 def cotrain_step(

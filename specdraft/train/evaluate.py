@@ -1,0 +1,74 @@
+"""Evaluation during and after a run: greedy held-out accuracy, and the SD-vs-AR report on the
+final checkpoint (timed by `decode.compare.compare_rollouts`, shared with bench/rollout.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from specdraft.decode import autoregressive
+from specdraft.decode.compare import compare_rollouts
+from specdraft.tasks import CharTokenizer, loader
+
+
+def prompt_len_for(task) -> int:
+  return task.max_length() + 1  # BOS; a safe upper bound on any prompt
+
+
+def evaluate(
+  params,
+  pcfg,
+  task,
+  examples,
+  *,
+  batch_size: int,
+  max_new_tokens: int,
+  prompt_len: int,
+  sharding=None,
+) -> dict:
+  """Greedy accuracy (mean reward) on `examples`; batches are padded by repetition."""
+  tok = CharTokenizer()
+  rewards, samples = [], []
+  for i in range(0, len(examples), batch_size):
+    chunk = examples[i : i + batch_size]
+    padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+    prompts_BS, lengths_B = loader.prompt_batch(padded, tok, prompt_len)
+    if sharding is not None:
+      rows = sharding.update(spec=PartitionSpec(*sharding.spec[:1]))
+      prompts_BS, lengths_B = jax.device_put((prompts_BS, lengths_B), (sharding, rows))
+    gen = autoregressive.generate(
+      params,
+      pcfg,
+      prompts_BS,
+      lengths_B,
+      jax.random.key(0),
+      max_new_tokens=max_new_tokens,
+      temperature=0.0,
+    )
+    for ex, row in zip(chunk, np.asarray(gen.tokens)):
+      completion = tok.decode(row)
+      rewards.append(task.reward(ex, completion))
+      if len(samples) < 4:
+        samples.append({"prompt": ex.prompt, "completion": completion, "answer": ex.answer})
+  return {"accuracy": float(np.mean(rewards)), "samples": samples}
+
+
+def rollout_report(ctx, params, dparams, *, repeats: int = 3) -> dict:
+  """SD vs AR on `eval.batch_size` held-out prompts at `eval.sd_temperature` and G =
+  `decode.num_draft` (figures defined in decode/compare.py)."""
+  c = ctx.config
+  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(c.eval.batch_size)]
+  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  return compare_rollouts(
+    params,
+    dparams,
+    ctx.pcfg,
+    ctx.dcfg,
+    prompts_BS,
+    lengths_B,
+    max_new_tokens=c.decode.max_new_tokens,
+    num_draft=c.decode.num_draft,
+    temperature=c.eval.sd_temperature,
+    repeats=repeats,
+  )

@@ -1,0 +1,391 @@
+"""The run's three phases, each an instance of one skeleton, `run_phase`:
+
+  restore the newest checkpoint (or keep the fresh state), evaluate once at step 0, then for
+  each step: next batch -> step -> log every `log_every` -> evaluate every `eval_every` ->
+  checkpoint every `checkpoint.every`; returns (state, finished).
+
+  sft_phase    the policy learns the task (cross-entropy on answer tokens)
+  draft_phase  the EAGLE-3 draft distils the fixed SFT policy on the policy's own generations
+  rl_phase     GRPO with speculative rollouts; the policy and the draft train in one step
+
+A phase differs from the others only in its state, its data and its step function, so a killed
+run resumes every phase the same way (checkpoint, data iterator, truncated logs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorflow_datasets as tfds
+
+from specdraft import config as config_lib
+from specdraft.decode import autoregressive, speculative
+from specdraft.decode.compare import decoding_figures
+from specdraft.decode.sampling import join_prompt_completion
+from specdraft.model import eagle3
+from specdraft.parallel import mesh as mesh_lib
+from specdraft.rl import grpo
+from specdraft.tasks import CharTokenizer, Example, loader, make_task
+from specdraft.tasks import datasets as task_data
+from specdraft.train import checkpoint as ckpt_lib
+from specdraft.train import draft as draft_lib
+from specdraft.train import state as state_lib
+from specdraft.train import step as step_lib
+from specdraft.train.evaluate import evaluate, prompt_len_for
+from specdraft.train.report import RunLog, progress
+
+
+class Context:
+  """Everything a run's phases share: task, data sources, model configs, mesh and layouts."""
+
+  def __init__(self, config, workdir: str):
+    config_lib.validate(config)
+    tfds.disable_progress_bar()
+    self.config, self.workdir = config, workdir
+    self.task = make_task(config.task)
+    self.tok = CharTokenizer()
+    self.train_src = task_data.data_source(config.task, config.data.data_dir, "train")
+    test_src = task_data.data_source(config.task, config.data.data_dir, "test")
+    n_eval = min(config.eval.num_examples, len(test_src))
+    self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
+    self.pcfg = state_lib.policy_config(config)
+    self.dcfg = eagle3.DraftConfig.from_config(config.draft, self.pcfg)
+    self.mesh = mesh_lib.make_mesh(config.parallel)
+    self.rules = [tuple(r) for r in config.parallel.rules]
+    self.batch_sh = mesh_lib.batch_sharding(self.mesh, self.rules)
+    # Pipeline layouts (pp > 1): training steps run the policy as a pipeline over 'pp' with the
+    # draft on the last stage; rollouts and evaluation run the unpipelined decoder.
+    self.pipeline = None
+    if int(config.parallel.mesh.get("pp", 1)) > 1:
+      from specdraft.model.pipelined import PipelineSpec
+
+      self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
+    self.prompt_len = prompt_len_for(self.task)
+    os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+
+  def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(
+      os.path.join(os.path.abspath(self.workdir), "checkpoints", phase),
+      keep=self.config.checkpoint.keep,
+    )
+
+  def log(self, name: str) -> RunLog:
+    return RunLog(os.path.join(self.workdir, name))
+
+  def greedy_accuracy(self, params, *, samples: bool = False) -> dict:
+    """Greedy held-out accuracy of the policy `params` (with a few samples if asked)."""
+    c = self.config
+    res = evaluate(
+      params,
+      self.pcfg,
+      self.task,
+      self.eval_examples,
+      batch_size=c.eval.batch_size,
+      max_new_tokens=c.decode.max_new_tokens,
+      prompt_len=self.prompt_len,
+      sharding=self.batch_sh,
+    )
+    return res if samples else {"accuracy": res["accuracy"]}
+
+
+# ----------------------------------------------------------------------------- the skeleton
+
+
+@dataclasses.dataclass
+class Phase:
+  """One phase as the skeleton sees it."""
+
+  name: str  # checkpoints/<name>/
+  label: str  # progress bar and messages
+  steps: int
+  data: Any  # iterator with get_state / set_state (grain)
+  step: Callable  # (state, host batch) -> (state, metrics)
+  log_every: int
+  metrics_log: str  # JSONL file in the workdir
+  postfix: dict[str, str]  # progress-bar name -> metrics key
+  evaluate: Callable | None = None  # state -> record with "accuracy"
+  eval_every: int = 0
+  eval_log: str | None = None
+
+
+def run_phase(ctx: Context, phase: Phase, state, stop_after: int | None = None):
+  """Resume-or-init, iterate, log, evaluate, checkpoint; returns (state, finished)."""
+  mlog = ctx.log(phase.metrics_log)
+  elog = ctx.log(phase.eval_log) if phase.eval_log else None
+  ckpt = ctx.checkpointer(phase.name)
+  start, state = state_lib.restore(ckpt, state, phase.data, *filter(None, (mlog, elog)))
+  if start == 0 and phase.evaluate is not None:
+    elog.write({"step": 0, **phase.evaluate(state)})
+  last = phase.steps if stop_after is None else min(phase.steps, stop_after)
+  bar = progress(range(start, last), desc=phase.label, initial=start, total=phase.steps)
+  t_logged, step_logged = time.perf_counter(), start
+  for i in bar:
+    state, metrics = phase.step(state, next(phase.data))
+    step = i + 1
+    due = lambda every: (every > 0 and step % every == 0) or step == phase.steps
+    if due(phase.log_every):
+      now = time.perf_counter()
+      m = host_metrics(metrics)
+      m.update(step=step, seconds_per_step=(now - t_logged) / (step - step_logged))
+      t_logged, step_logged = now, step
+      mlog.write(m)
+      bar.set_postfix({name: f"{m[key]:.3f}" for name, key in phase.postfix.items()})
+    if phase.evaluate is not None and due(phase.eval_every):
+      record = phase.evaluate(state)
+      elog.write({"step": step, **record})
+      bar.write(f"{phase.label} step {step}: greedy test accuracy {record['accuracy']:.3f}")
+    if due(ctx.config.checkpoint.every):
+      ckpt.save(step, state, {"data_iter": phase.data.get_state()})
+  bar.close()
+  ckpt.close()
+  return state, last == phase.steps
+
+
+def host_metrics(metrics) -> dict:
+  """Metrics on the host: array scalars as floats (other arrays dropped), the rest as is."""
+  out = {}
+  for k, v in jax.device_get(metrics).items():
+    if isinstance(v, np.ndarray | np.generic):
+      if np.ndim(v) == 0:
+        out[k] = float(v)
+    else:
+      out[k] = v
+  return out
+
+
+# ----------------------------------------------------------------------------- SFT
+
+
+def sft_phase(ctx: Context, stop_after: int | None = None):
+  """Supervised fine-tuning of the policy; returns (params, finished)."""
+  c = ctx.config
+  data = iter(
+    loader.sft_dataset(
+      ctx.train_src,
+      ctx.tok,
+      batch_size=c.data.batch_size,
+      seq_len=c.data.seq_len,
+      packing=c.data.packing,
+      seed=c.data.shuffle_seed,
+    )
+  )
+  tx = step_lib.make_optimizer(c.sft, c.sft.steps)
+  state = state_lib.init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
+  sh = state_lib.state_shardings(state)
+  train_step = jax.jit(
+    functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx, mesh=ctx.mesh, pipeline=ctx.pipeline),
+    in_shardings=(sh, ctx.batch_sh),
+    out_shardings=(sh, None),
+    donate_argnums=0,
+  )
+  phase = Phase(
+    name="sft",
+    label="sft",
+    steps=c.sft.steps,
+    data=data,
+    step=lambda state, batch: train_step(state, jax.device_put(batch, ctx.batch_sh)),
+    log_every=c.sft.log_every,
+    metrics_log="sft_metrics.jsonl",
+    postfix={"loss": "loss", "tok_acc": "token_accuracy"},
+    evaluate=lambda state: ctx.greedy_accuracy(state["params"], samples=True),
+    eval_every=c.eval.every,
+    eval_log="eval.jsonl",
+  )
+  state, finished = run_phase(ctx, phase, state, stop_after)
+  return state["params"], finished
+
+
+# ----------------------------------------------------------------------------- draft
+
+
+def init_draft(ctx: Context, params):
+  """The draft's initial parameters (its embedding and head start from the policy's)."""
+  return jax.jit(lambda p: eagle3.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg))(params)
+
+
+def draft_phase(ctx: Context, params, stop_after: int | None = None):
+  """Distils the draft from the fixed SFT policy; returns (draft params, finished)."""
+  c, dc = ctx.config, ctx.config.draft
+  tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
+  replicated = state_lib.replicated(ctx.mesh)
+  dparams = init_draft(ctx, params)
+  state = jax.jit(
+    lambda d: {
+      "step": jnp.zeros((), jnp.int32),
+      "params": d,
+      "opt_state": tx.init(d),
+      "key": jax.random.key_data(jax.random.key(c.seed + 2)),
+    },
+    out_shardings=replicated,
+  )(dparams)
+  step_fn = jax.jit(
+    functools.partial(
+      draft_lib.draft_iteration,
+      pcfg=ctx.pcfg,
+      dcfg=ctx.dcfg,
+      tx=tx,
+      max_new_tokens=c.decode.max_new_tokens,
+      temperature=dc.rollout_temperature,
+      mesh=ctx.mesh,
+      pipeline=ctx.pipeline,
+    ),
+    out_shardings=(replicated, None),
+    donate_argnums=0,
+  )
+  shard = lambda pb: mesh_lib.shard_batch(
+    (pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules
+  )
+  phase = Phase(
+    name="draft",
+    label="draft",
+    steps=dc.pretrain_steps,
+    data=_prompts(ctx, dc.batch_size, seed_offset=1),
+    step=lambda state, pb: step_fn(state, params, *shard(pb)),
+    log_every=dc.log_every,
+    metrics_log="draft_metrics.jsonl",
+    postfix={"loss": "draft_loss", "acc0": "ttt_acc_0"},
+  )
+  state, finished = run_phase(ctx, phase, state, stop_after)
+  return state["params"], finished
+
+
+def _prompts(ctx: Context, batch_size: int, *, seed_offset: int):
+  """Endless shuffled prompt batches of the training split (a resumable grain iterator)."""
+  return iter(
+    loader.prompt_dataset(
+      ctx.train_src,
+      ctx.tok,
+      batch_size=batch_size,
+      prompt_len=ctx.prompt_len,
+      seed=ctx.config.data.shuffle_seed + seed_offset,
+    )
+  )
+
+
+# ----------------------------------------------------------------------------- RL
+
+
+def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
+  """GRPO with speculative rollouts and the one-step co-training of policy and draft.
+
+  rollout.draft: cotrained (SD; the draft trains with the policy), fixed (SD; frozen draft),
+  none (autoregressive rollouts; the draft is not trained). Returns (state, finished).
+  """
+  c, rl = ctx.config, ctx.config.rl
+  train_draft = c.rollout.draft == "cotrained"
+  tx = step_lib.make_cotrain_optimizer(rl, c.draft, train_draft=train_draft)
+  trainable = {"policy": params, "draft": dparams}
+  state = jax.jit(
+    lambda t: {
+      "step": jnp.zeros((), jnp.int32),
+      "params": t,
+      "opt_state": tx.init(t),
+      "key": jax.random.key_data(jax.random.key(c.seed + 3)),
+    }
+  )(trainable)
+  train_step = jax.jit(
+    functools.partial(
+      step_lib.cotrain_step,
+      pcfg=ctx.pcfg,
+      dcfg=ctx.dcfg,
+      rl_cfg=rl,
+      tx=tx,
+      lam=rl.lam,
+      train_draft=train_draft,
+      ref_params=params if rl.beta > 0 else None,
+      attn_impl=c.draft.attn_impl,
+      mesh=ctx.mesh,
+      pipeline=ctx.pipeline,
+    ),
+    donate_argnums=0,
+  )
+  rollout_step = _rollout_step(ctx)
+  phase = Phase(
+    name="rl",
+    label=f"rl ({c.rollout.draft})",
+    steps=rl.steps,
+    data=_prompts(ctx, rl.prompts_per_step, seed_offset=2),
+    step=lambda state, pb: _rl_iteration(ctx, rollout_step, train_step, state, pb),
+    log_every=1,
+    metrics_log="metrics.jsonl",
+    postfix={"reward": "reward_mean", "tau": "accept_len"},
+    evaluate=lambda state: ctx.greedy_accuracy(state["params"]["policy"]),
+    eval_every=rl.eval_every,
+    eval_log="rl_eval.jsonl",
+  )
+  return run_phase(ctx, phase, state, stop_after)
+
+
+def _rollout_step(ctx: Context):
+  """Jitted (trainable, key_data, prompts, lengths) -> (Generation, training batch, key_data)
+  with SD rollouts (rollout.draft = cotrained | fixed) or AR rollouts (none)."""
+  c = ctx.config
+  kw = dict(
+    max_new_tokens=c.rl.max_new_tokens or c.decode.max_new_tokens, temperature=c.rl.temperature
+  )
+  if c.rollout.draft == "none":
+    generate = lambda t, pr, ln, k: autoregressive.generate(t["policy"], ctx.pcfg, pr, ln, k, **kw)
+  else:
+    generate = lambda t, pr, ln, k: speculative.generate(
+      t["policy"], t["draft"], ctx.pcfg, ctx.dcfg, pr, ln, k, num_draft=c.decode.num_draft, **kw
+    )
+
+  @jax.jit
+  def rollout_step(trainable, key_data, prompts_BS, lengths_B):
+    key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
+    gen = generate(trainable, prompts_BS, lengths_B, sub)
+    return gen, join_prompt_completion(prompts_BS, lengths_B, gen), jax.random.key_data(key)
+
+  return rollout_step
+
+
+def _rl_iteration(ctx: Context, rollout_step, train_step, state, pb):
+  """One RL step: group rollouts -> rewards -> group advantages -> co-training step."""
+  rl = ctx.config.rl
+  group = rl.group_size  # rollouts per prompt
+  prompts_BS = np.repeat(pb["prompts"], group, axis=0)
+  lengths_B = np.repeat(pb["prompt_lengths"], group, axis=0)
+  t0 = time.perf_counter()
+  inputs = jax.device_put((prompts_BS, lengths_B), state_lib.replicated(ctx.mesh))
+  gen, batch, key_data = jax.block_until_ready(rollout_step(state["params"], state["key"], *inputs))
+  rollout_s = time.perf_counter() - t0
+  texts = [ctx.tok.decode(row) for row in np.asarray(gen.tokens)]
+  examples = [
+    Example(str(p), str(a))
+    for p, a in zip(np.repeat(pb["prompt_text"], group), np.repeat(pb["answer_text"], group))
+  ]
+  rewards = np.asarray([ctx.task.reward(e, t) for e, t in zip(examples, texts)], np.float32)
+  advantages = grpo.group_advantages(jnp.asarray(rewards), group, mode=rl.advantage)
+  batch = mesh_lib.shard_batch(dict(batch, advantages=advantages), ctx.mesh, ctx.rules)
+  t1 = time.perf_counter()
+  state, metrics = jax.block_until_ready(train_step(dict(state, key=key_data), batch))
+  m = _rollout_metrics(ctx, gen, rewards, texts)
+  m.update(host_metrics(metrics), rollout_seconds=rollout_s, train_seconds=time.perf_counter() - t1)
+  return state, m
+
+
+def _rollout_metrics(ctx: Context, gen, rewards, texts) -> dict:
+  """Reward, accuracy, tau (accept_len), passes/token, length and answer formats of a batch."""
+  fig = decoding_figures(gen)
+  m = {
+    "reward_mean": float(rewards.mean()),
+    "accuracy": float(np.mean(rewards > 0)),
+    "policy_passes_per_token": fig["policy_passes_per_token"],
+    "mean_length": fig["tokens"] / len(rewards),
+    # AR rollouts have one token per pass: tau = 1 and no drafted positions.
+    "accept_len": fig.get("tau", 1.0),
+    "accept_per_position": fig.get("accept_per_position", []),
+    "draft_loss": None,  # overwritten by the step's metrics when the draft trains
+  }
+  if hasattr(ctx.task, "format_of"):
+    fmts = [ctx.task.format_of(t) for t in texts]
+    m["format_share"] = {f: fmts.count(f) / len(fmts) for f in sorted(set(fmts))}
+  return m

@@ -1,0 +1,70 @@
+"""Train states: sharded initialisation, their shardings, and restoring the newest checkpoint.
+
+A state is a dict pytree `{"step", "params", "opt_state", ...}`; every phase of the run
+(`train/phases.py`) builds one, restores it if a checkpoint exists, and donates it to its step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from specdraft.model import policy as pol
+from specdraft.parallel import mesh as mesh_lib
+from specdraft.tasks import CharTokenizer
+
+
+def policy_config(config) -> pol.PolicyConfig:
+  return pol.PolicyConfig.from_config(config.model, CharTokenizer().vocab_size)
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int):
+  """Abstract init -> shardings -> materialise sharded (never whole on one device)."""
+  abstract = jax.eval_shape(lambda: pol.init_params(pcfg, seed))
+  shardings = mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract, rules, mesh)
+  params = jax.jit(lambda: pol.init_params(pcfg, seed), out_shardings=shardings)()
+  # Moments follow their parameters; counters and other scalars are replicated on the mesh.
+  opt_shardings = optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    jax.eval_shape(tx.init, abstract),
+    shardings,
+    transform_non_params=lambda _: replicated(mesh),
+  )
+  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+  step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+  return {"step": step, "params": params, "opt_state": opt_state}
+
+
+def state_shardings(state):
+  return jax.tree.map(lambda x: x.sharding, state)
+
+
+def abstract_like(state):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def restore(ckpt, state, data_iter, *logs):
+  """(start step, state) from the newest readable checkpoint, else (0, state) unchanged.
+
+  Puts the data iterator back where the checkpoint left it and truncates `logs` (RunLogs) to
+  the restored step, so a resumed run writes the same files as an uninterrupted one.
+  """
+  restored = ckpt.restore_latest(abstract_like(state))
+  start = 0
+  if restored is not None:
+    start, state, extra = restored
+    if data_iter is not None:
+      data_iter.set_state(extra["data_iter"])
+    print(f"Resumed {os.path.basename(ckpt.mngr.directory)} from step {start}", flush=True)
+  for log in logs:
+    log.truncate_after(start)
+  return start, state
