@@ -133,7 +133,7 @@ def test_cross_gradients_are_exactly_zero(setup):
   c, pcfg, dcfg, params, dparams, batch = setup
   tr = {"policy": params, "draft": dparams}
   rl_only, draft_only = _parts(c, pcfg, dcfg, batch)
-  g_rl, g_draft = jax.grad(rl_only)(tr), jax.grad(draft_only)(tr)
+  g_rl, g_draft = jax.jit(lambda t: (jax.grad(rl_only)(t), jax.grad(draft_only)(t)))(tr)
   assert _maxabs(g_draft["policy"]) == 0.0  # dL_draft/dtheta
   assert _maxabs(g_rl["draft"]) == 0.0  # dL_RL/dphi
   assert _maxabs(g_rl["policy"]) > 0 and _maxabs(g_draft["draft"]) > 0
@@ -143,23 +143,24 @@ def test_negative_control_without_stop_gradient(setup):
   c, pcfg, dcfg, params, dparams, batch = setup
   tr = {"policy": params, "draft": dparams}
   _, draft_only = _parts(c, pcfg, dcfg, batch, stop_tap_gradient=False)
-  assert _maxabs(jax.grad(draft_only)(tr)["policy"]) > 0
+  assert _maxabs(jax.jit(jax.grad(draft_only))(tr)["policy"]) > 0
 
 
 def test_lambda_zero_policy_update_is_bit_identical_to_rl_only(setup):
   c, pcfg, dcfg, params, dparams, batch = setup
-  outs = {}
+  outs, steps = {}, {}
   for name, train_draft, lam in (("co", True, 0.0), ("rl", False, 0.0), ("co1", True, 1.0)):
     tx = step_lib.make_cotrain_optimizer(c.rl, c.draft, train_draft=train_draft)
     tr = {"policy": params, "draft": dparams}
     st = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
-    f = jax.jit(
-      lambda s, b, tx=tx, td=train_draft, lam=lam: step_lib.cotrain_step(
-        s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=lam, train_draft=td
+    if train_draft not in steps:  # lam is an argument: "co" and "co1" share one program
+      steps[train_draft] = jax.jit(
+        lambda s, b, lam, tx=tx, td=train_draft: step_lib.cotrain_step(
+          s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=lam, train_draft=td
+        )
       )
-    )
     for _ in range(2):
-      st, m = f(st, batch)
+      st, m = steps[train_draft](st, batch, jnp.float32(lam))
     outs[name] = jax.device_get(st["params"])
   jax.tree.map(np.testing.assert_array_equal, outs["co"]["policy"], outs["rl"]["policy"])
   # and with lam = 1 the policy update is still the same (taps carry no gradient) ...

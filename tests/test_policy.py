@@ -6,6 +6,12 @@ import pytest
 
 from specdraft.model import policy as pol
 
+# Jitted once per shape: eager calls re-trace and re-compile the layer scan every time.
+forward = jax.jit(pol.forward, static_argnums=1, static_argnames="stop_tap_gradient")
+prefill = jax.jit(pol.prefill, static_argnums=1)
+decode = jax.jit(pol.decode, static_argnums=1)
+run_layers = jax.jit(pol.run_layers, static_argnums=2)
+
 
 @pytest.fixture(scope="module")
 def setup():
@@ -28,7 +34,7 @@ def test_default_taps():
 def test_shapes_and_taps(setup):
   cfg, params = setup
   toks = jax.random.randint(jax.random.key(0), (2, 11), 0, 32)
-  logits, taps = pol.forward(params, cfg, toks)
+  logits, taps = forward(params, cfg, toks)
   chex.assert_shape(logits, (2, 11, 32))
   chex.assert_shape(taps.layers, (len(cfg.taps), 2, 11, 32))
   chex.assert_shape(taps.final, (2, 11, 32))
@@ -38,7 +44,7 @@ def test_shapes_and_taps(setup):
   seg = jnp.ones((2, 11), jnp.int32)
   start = 0
   for i, t in enumerate(cfg.taps):
-    x, _, _ = pol.run_layers(
+    x, _, _ = run_layers(
       pol.slice_layers(params["layers"], start, t + 1), x, cfg, positions_BT=pos, segment_ids_BT=seg
     )
     np.testing.assert_allclose(taps.layers[i], x, atol=1e-5)
@@ -52,11 +58,11 @@ def test_layer_slices_compose(setup):
   pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
   seg = jnp.ones((2, 7), jnp.int32)
   x0 = pol.embed(params, toks, cfg)
-  full, _, _ = pol.run_layers(params["layers"], x0, cfg, positions_BT=pos, segment_ids_BT=seg)
+  full, _, _ = run_layers(params["layers"], x0, cfg, positions_BT=pos, segment_ids_BT=seg)
   for cuts in [(0, 3, 6), (0, 1, 2, 4, 6), (0, 6)]:
     x = x0
     for a, b in zip(cuts[:-1], cuts[1:]):
-      x, _, _ = pol.run_layers(
+      x, _, _ = run_layers(
         pol.slice_layers(params["layers"], a, b), x, cfg, positions_BT=pos, segment_ids_BT=seg
       )
     np.testing.assert_allclose(x, full, atol=1e-5)
@@ -65,17 +71,17 @@ def test_layer_slices_compose(setup):
 def test_incremental_decode_reproduces_forward(setup):
   cfg, params = setup
   toks = jax.random.randint(jax.random.key(2), (3, 12), 0, 32)
-  logits, taps = pol.forward(params, cfg, toks)
+  logits, taps = forward(params, cfg, toks)
   plen = jnp.array([4, 1, 7])
   P = 7
   prompt = jnp.where(jnp.arange(P)[None] < plen[:, None], toks[:, :P], 0)
   cache = pol.init_cache(cfg, 3, 16)
-  pl_logits, _, cache = pol.prefill(params, cfg, cache, prompt, plen)
+  pl_logits, _, cache = prefill(params, cfg, cache, prompt, plen)
   for b in range(3):
     n = int(plen[b])
     np.testing.assert_allclose(pl_logits[b, :n], logits[b, :n], atol=1e-5)
   # Feed each row's continuation one token at a time; rows are at different lengths.
-  step = jax.jit(lambda c, t: pol.decode(params, cfg, c, t))
+  step = lambda c, t: decode(params, cfg, c, t)
   got = [[] for _ in range(3)]
   for i in range(5):
     nxt = toks[jnp.arange(3), plen + i][:, None]
@@ -93,14 +99,14 @@ def test_multi_token_decode_and_rollback(setup):
   """Feeding 3 tokens at once, then rolling back by 2, then continuing, matches forward."""
   cfg, params = setup
   toks = jax.random.randint(jax.random.key(3), (2, 10), 0, 32)
-  logits, _ = pol.forward(params, cfg, toks)
+  logits, _ = forward(params, cfg, toks)
   cache = pol.init_cache(cfg, 2, 16)
-  _, _, cache = pol.prefill(params, cfg, cache, toks[:, :4], jnp.array([4, 4]))
+  _, _, cache = prefill(params, cfg, cache, toks[:, :4], jnp.array([4, 4]))
   wrong = jnp.array([[5, 6, 7], [8, 9, 10]])
-  lg, _, cache = pol.decode(params, cfg, cache, jnp.concatenate([toks[:, 4:5], wrong[:, :2]], 1))
+  lg, _, cache = decode(params, cfg, cache, jnp.concatenate([toks[:, 4:5], wrong[:, :2]], 1))
   np.testing.assert_allclose(lg[:, 0], logits[:, 4], atol=1e-5)
   cache = cache._replace(lengths=jnp.array([5, 5]))  # keep only the first of the three
-  lg, _, cache = pol.decode(params, cfg, cache, toks[:, 5:8])
+  lg, _, cache = decode(params, cfg, cache, toks[:, 5:8])
   np.testing.assert_allclose(lg, logits[:, 5:8], atol=1e-5)
 
 
@@ -111,9 +117,9 @@ def test_packed_rows_equal_separate_documents(setup):
   packed = jnp.concatenate([a, b, jnp.zeros((1, 2), jnp.int32)], 1)
   seg = jnp.array([[1] * 5 + [2] * 4 + [0] * 2])
   pos = jnp.array([list(range(5)) + list(range(4)) + [0, 0]])
-  lp, _ = pol.forward(params, cfg, packed, pos, seg)
-  la, _ = pol.forward(params, cfg, a)
-  lb, _ = pol.forward(params, cfg, b)
+  lp, _ = forward(params, cfg, packed, pos, seg)
+  la, _ = forward(params, cfg, a)
+  lb, _ = forward(params, cfg, b)
   np.testing.assert_allclose(lp[0, :5], la[0], atol=1e-5)
   np.testing.assert_allclose(lp[0, 5:9], lb[0], atol=1e-5)
 
@@ -123,12 +129,14 @@ def test_taps_carry_no_gradient(setup):
   toks = jax.random.randint(jax.random.key(6), (1, 6), 0, 32)
 
   def tap_loss(p, stop):
-    _, taps = pol.forward(p, cfg, toks, stop_tap_gradient=stop)
+    _, taps = forward(p, cfg, toks, stop_tap_gradient=stop)
     return jnp.sum(taps.layers**2) + jnp.sum(taps.final**2)
 
-  g = jax.grad(tap_loss)(params, True)
+  g = jax.jit(jax.grad(tap_loss), static_argnums=1)(params, True)
   assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g))
-  g = jax.grad(tap_loss)(params, False)  # negative control: the test can fail
+  g = jax.jit(jax.grad(tap_loss), static_argnums=1)(
+    params, False
+  )  # negative control: the test can fail
   assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) > 0
 
 
@@ -146,7 +154,7 @@ def test_untied_head_and_bf16(setup):
   )
   params = pol.init_params(cfg, 1)
   assert params["head"].shape == (32, 32)
-  logits, taps = pol.forward(params, cfg, jnp.ones((1, 5), jnp.int32))
+  logits, taps = forward(params, cfg, jnp.ones((1, 5), jnp.int32))
   assert logits.dtype == jnp.float32 and taps.final.dtype == jnp.bfloat16
   assert np.all(np.isfinite(logits))
 

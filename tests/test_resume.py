@@ -42,7 +42,8 @@ def test_sigkill_mid_rl_then_resume_matches_uninterrupted(smoke_config, tmp_path
     "--config.parallel.devices=1",
     "--config.checkpoint.every=2",
   ]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  # the same XLA flags as this process (conftest), so both runs compile the same programs
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"])
   proc = subprocess.Popen(
     cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
   )

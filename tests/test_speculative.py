@@ -72,20 +72,19 @@ def test_ttt_branches_equal_autoregressive_drafting():
   tokens = jax.random.randint(jax.random.key(1), (1, S), 3, 16)
   seg = jnp.ones((1, S), jnp.int32)
   pos = jnp.arange(S)[None]
-  _, taps = pol.forward(params, pcfg, tokens)
-  logits = eagle3.ttt_forward(dparams, dcfg, params["embed"], taps.layers, tokens, pos, seg)
+  _, taps = jax.jit(pol.forward, static_argnums=1)(params, pcfg, tokens)
+  logits = jax.jit(eagle3.ttt_forward, static_argnums=1)(
+    dparams, dcfg, params["embed"], taps.layers, tokens, pos, seg
+  )
   feats = eagle3.fuse(dparams, taps.layers, dcfg)
+  step = jax.jit(lambda c, f, t: eagle3.step(dparams, dcfg, params["embed"], c, f, t))
   for t in (0, 3, 5):
     cache = eagle3.init_cache(dcfg, 1, 32)
-    lg, h, cache = eagle3.step(
-      dparams, dcfg, params["embed"], cache, feats[:, : t + 1], tokens[:, 1 : t + 2]
-    )
+    lg, h, cache = step(cache, feats[:, : t + 1], tokens[:, 1 : t + 2])
     np.testing.assert_allclose(lg[0, t], logits[0, 0, t], atol=2e-5)
     h = h[:, t : t + 1]
     for k in range(1, 4):
-      lg, h, cache = eagle3.step(
-        dparams, dcfg, params["embed"], cache, h, tokens[:, t + 1 + k : t + 2 + k]
-      )
+      lg, h, cache = step(cache, h, tokens[:, t + 1 + k : t + 2 + k])
       np.testing.assert_allclose(lg[0, 0], logits[k, 0, t], atol=2e-5)
 
 
@@ -100,9 +99,9 @@ def test_ttt_loss_decreases_and_ignores_policy_gradient():
     "segment_ids": jnp.ones((2, 12), jnp.int32),
     "loss_mask": jnp.ones((2, 12)),
   }
-  g_policy = jax.grad(lambda p: draft_lib.draft_loss_on_batch(dparams, p, pcfg, dcfg, batch)[0])(
-    params
-  )
+  g_policy = jax.jit(
+    jax.grad(lambda p: draft_lib.draft_loss_on_batch(dparams, p, pcfg, dcfg, batch)[0])
+  )(params)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g_policy))
   import optax
 
