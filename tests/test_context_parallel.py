@@ -46,18 +46,20 @@ SEGS = np.array(
 
 
 def value_and_grads(fn, xs, branch):
-  """Outputs and gradients of a fixed nonlinear loss, jitted."""
+  """Outputs and gradients of a fixed nonlinear loss, from one jitted program."""
   seg = xs[-1]
 
   def loss(*a):
     out, out_br = fn(*a, seg, branch=branch)
-    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(
+    value = jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(
       jnp.cos(out_br.astype(jnp.float32)) * out_br.astype(jnp.float32)
     )
+    return value, (out, out_br)
 
-  f = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
-  outs = jax.jit(lambda *a: fn(*a, seg, branch=branch))(*xs[:6])
-  return outs, f(*xs[:6])[1]
+  (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+    *xs[:6]
+  )
+  return outs, grads
 
 
 def dense(*a, branch):
