@@ -40,35 +40,46 @@ def test_next_token_targets_respect_documents():
   assert np.all(np.asarray(w)[:, -4:] == 0)  # nothing predicts padding
 
 
-@pytest.mark.parametrize("layout", ["dp8", "fsdp2_dp4", "tp2_dp4"])
-def test_sharded_sft_step_equals_single_device(layout):
+def _sft_config(layout):
   c = default_config.get_config(f"layout={layout},smoke")
   c.model.n_kv_heads = 2  # so that kv heads split over tensor=2
+  return c
+
+
+def _two_sft_steps(c, parallel):
+  """Initial parameters and, for two SFT steps, (state, metrics, gradients) under `parallel`."""
   cfg = pol.PolicyConfig.from_config(c.model, 99)
   tx = step_lib.make_optimizer(c.sft, 10)
-  batch = _batch(1)
+  mesh = mesh_lib.make_mesh(parallel)
+  rules = [tuple(r) for r in parallel.rules]
+  state = loop.init_state(cfg, tx, mesh, rules, 0)
+  sh = loop.state_shardings(state)
+  bsh = mesh_lib.batch_sharding(mesh, rules)
+  grad = jax.grad(lambda p, b: step_lib.sft_loss(p, cfg, b)[0])
+  f = jax.jit(
+    lambda s, b: (*step_lib.sft_step(s, b, cfg=cfg, tx=tx), grad(s["params"], b)),
+    in_shardings=(sh, bsh),
+    out_shardings=(sh, None, None),
+  )
+  p0, b = jax.device_get(state["params"]), jax.device_put(_batch(1), bsh)
+  out = [jax.device_get(f(state, b))]
+  out.append(jax.device_get(f(out[0][0], b)))
+  return p0, out
 
-  def run(parallel):
-    mesh = mesh_lib.make_mesh(parallel)
-    rules = [tuple(r) for r in parallel.rules]
-    state = loop.init_state(cfg, tx, mesh, rules, 0)
-    sh = loop.state_shardings(state)
-    bsh = mesh_lib.batch_sharding(mesh, rules)
-    grad = jax.grad(lambda p, b: step_lib.sft_loss(p, cfg, b)[0])
-    f = jax.jit(
-      lambda s, b: (*step_lib.sft_step(s, b, cfg=cfg, tx=tx), grad(s["params"], b)),
-      in_shardings=(sh, bsh),
-      out_shardings=(sh, None, None),
-    )
-    p0, b = jax.device_get(state["params"]), jax.device_put(batch, bsh)
-    out = [jax.device_get(f(state, b))]
-    out.append(jax.device_get(f(out[0][0], b)))
-    return p0, out
 
-  single = default_config.get_config("smoke").parallel
-  single.devices = 1
-  p0, ((s1, m1, g1), (t1, n1, _)) = run(single)
-  p0_8, ((s8, m8, g8), (t8, n8, _)) = run(c.parallel)
+@pytest.fixture(scope="module")
+def single_device_sft():
+  """The single-device reference, computed once for every sharded layout."""
+  c = _sft_config("single")
+  c.parallel.devices = 1
+  return _two_sft_steps(c, c.parallel)
+
+
+@pytest.mark.parametrize("layout", ["dp8", "fsdp2_dp4", "tp2_dp4"])
+def test_sharded_sft_step_equals_single_device(layout, single_device_sft):
+  c = _sft_config(layout)
+  p0, ((s1, m1, g1), (t1, n1, _)) = single_device_sft
+  p0_8, ((s8, m8, g8), (t8, n8, _)) = _two_sft_steps(c, c.parallel)
   jax.tree.map(np.testing.assert_array_equal, p0_8, p0)  # the same initial parameters
   for a, b in ((m1, m8), (n1, n8)):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
