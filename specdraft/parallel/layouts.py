@@ -42,7 +42,9 @@ LAYOUTS = {
 def layout(name: str) -> dict:
   """{'name', 'devices', 'mesh': {axis: size}, 'rules': [(logical, mesh axes), ...]}.
 
-  `devices` is 0 (the mesh must cover every device) or a count (use the first N).
+  `devices` is 0 (the mesh must cover every device) or a count (use the first N). On CPU the
+  entry points simulate the devices a layout needs (specdraft/devices.py); `mesh.check_mesh`
+  says what to do when they are missing.
   `pipeline` configures the microbatched pipeline over 'pp' (ignored when pp = 1).
   """
   if name not in LAYOUTS:
