@@ -62,3 +62,100 @@ def test_repository_results_refused_from_a_dirty_tree(tmp_path, monkeypatch):
     provenance.write_results(results, {"x": 1})
   assert not os.path.exists(os.path.join(results, "results.json"))
   provenance.check_workdir(str(tmp_path / "elsewhere"))  # outside docs/results: accepted
+
+
+def test_run_outputs_inside_the_workdir_do_not_count_as_dirty(tmp_path, monkeypatch):
+  repo = tmp_path / "repo"
+  (repo / "docs" / "results" / "bench").mkdir(parents=True)
+  (repo / "docs" / "results" / "bench" / "old.json").write_text("{}")
+  (repo / "a.txt").write_text("a")
+  _git(repo, "init", "-q")
+  _git(repo, "add", ".")
+  _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+  monkeypatch.setattr(provenance, "repo_root", lambda: str(repo))
+  results = str(repo / "docs" / "results" / "bench")
+  provenance.check_workdir(results)
+  (repo / "docs" / "results" / "bench" / "plot.png").write_text("a plot written by the run")
+  (repo / "docs" / "results" / "bench" / "old.json").write_text('{"rewritten": 1}')
+  out = provenance.write_results(results, {"x": 1})  # the run's own outputs: accepted
+  assert out["dirty"] is True  # the header still records what `git status` saw
+  (repo / "docs" / "results" / "other.json").write_text("{}")  # outside the workdir: refused
+  with pytest.raises(RuntimeError, match="uncommitted"):
+    provenance.write_results(results, {"x": 1})
+
+
+def test_drift_seed_statistics_use_the_sample_std_and_a_t_interval():
+  from specdraft.bench import drift
+
+  s = drift.seed_stats([1.0, 2.0, 3.0])
+  assert s["mean"] == 2.0 and s["std"] == pytest.approx(1.0)  # ddof=1 (ddof=0 gives 0.816)
+  half = 4.302652729911275 / 3**0.5  # t(0.975, dof=2) * std / sqrt(n)
+  assert s["ci95"] == pytest.approx([2.0 - half, 2.0 + half])
+  assert drift.seed_stats([0.5])["ci95"] is None
+  d = drift.diff_stats([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])
+  assert d["diff"] == pytest.approx(0.5) and d["zero_in_ci95"] is True
+  far = drift.diff_stats([1.0, 1.1, 0.9], [5.0, 5.1, 4.9])
+  assert far["zero_in_ci95"] is False and far["ci95"][0] > 0
+
+
+def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):
+  from specdraft.bench import readme
+
+  rows = [
+    {"ttt_steps": 1, "rl_only_s": 1.0, "cotrain_s": 1.087, "ratio": 1.087},
+    {"ttt_steps": 7, "rl_only_s": 1.0, "cotrain_s": 1.823, "ratio": 1.823},
+  ]
+  payload = {
+    "policy_layers": 12,
+    "d_model": 128,
+    "batch_size": 64,
+    "seq_len": 64,
+    "repeats": 7,
+    "rows": rows,
+    "ratio_by_ttt_steps": {"1": 1.087, "7": 1.823},
+  }
+  goals = {
+    f"ratio_k{k}": {"metric": f"ratio_by_ttt_steps.{k}", "op": "<=", "target": 1.15} for k in (1, 7)
+  }
+  out = provenance.write_results(
+    str(tmp_path / "docs" / "results" / "bench_step"), payload, goals=goals, command=["x.py"]
+  )
+  (tmp_path / "README.md").write_text("a\n<!-- results:begin -->\nstale\n<!-- results:end -->\nb\n")
+  assert readme.update(str(tmp_path), check=True) is False
+  assert readme.update(str(tmp_path)) is False and readme.update(str(tmp_path), check=True)
+  text = (tmp_path / "README.md").read_text()
+  assert text.startswith("a\n<!-- results:begin -->\n") and text.endswith(
+    "<!-- results:end -->\nb\n"
+  )
+  block = readme.split(text)[1]
+  assert "`docs/results/bench_step/results.json`" in block and "`python x.py`" in block
+  assert out["commit"][:12] in block
+  assert "| 7 | 1000 | 1823 | 1.82 |" in block
+  assert "1 of 2 met; missed: `ratio_k7`" in block
+
+
+def test_readme_measured_section_is_generated_from_the_results_files():
+  """Every figure in README's measured section is rendered from the results file it cites."""
+  from specdraft.bench import readme
+
+  root = provenance.repo_root()
+  with open(os.path.join(root, "README.md")) as f:
+    block = readme.split(f.read())[1]
+  assert block == readme.render(root), "run: python experiments/readme_tables.py"
+
+
+def test_every_results_file_carries_provenance_and_no_hand_note():
+  root = os.path.join(provenance.repo_root(), "docs", "results")
+  paths = [
+    os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".json")
+  ]
+  assert paths, "no results files under docs/results"
+  for path in paths:
+    with open(path) as f:
+      r = json.load(f)
+    for key in (*provenance.HEADER_KEYS, "goals"):
+      assert key in r, f"{path}: no {key!r}"
+    assert "note" not in r, f"{path}: hand-written note"
+    assert r["dirty"] is False and len(r["commit"]) == 40, path
+    for name, g in r["goals"].items():
+      assert isinstance(g["met"], bool) and {"metric", "op", "target", "value"} <= set(g), name

@@ -253,6 +253,7 @@ def tap(r: dict) -> str:
   gs = r["goals"]
   met = lambda name: "met" if gs[name]["met"] else "NOT met"
   c = r["correctness"]
+  ci_side = "above" if pooled["ci95"][1] > gs["overhead_pooled"]["target"] else "within"
   head = (
     "### Pipeline parallelism: the TapChannel\n\n"
     "The pipelined co-training step (optimizer included) with the tap channel off, direct, "
@@ -267,7 +268,8 @@ def tap(r: dict) -> str:
     f"(ratio of medians) {_f(r['overhead_worst_case'], 3)} — {met('overhead_worst_case')}; "
     f"pooled paired median over all {pooled['rounds']} rounds {_f(pooled['median'], 3)} (IQR "
     f"{_f(pooled['iqr'][0], 3)}–{_f(pooled['iqr'][1], 3)}, 95% bootstrap CI "
-    f"{_f(pooled['ci95'][0], 3)}–{_f(pooled['ci95'][1], 3)}) — {met('overhead_pooled')}. "
+    f"{_f(pooled['ci95'][0], 3)}–{_f(pooled['ci95'][1], 3)}) — {met('overhead_pooled')}, "
+    f"with the CI's upper end {ci_side} the target. "
     f"Taps bit-exact: {_yes(r['taps_bit_exact'])}; policy update identical with the channel on "
     f"and off: {_yes(r['outputs_unchanged'])}; pipelined vs single-device step, largest relative "
     f"metric difference {c['max_rel_diff_vs_single_device']:.1e}."
