@@ -35,8 +35,8 @@ def test_committed_notebook_carries_no_outputs(path):
 def test_notebook_executes(path):
   """Runs in a fresh kernel from notebooks/ on 8 simulated CPU devices, at the smoke sizes."""
   nb = nbformat.read(path, as_version=4)
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env = dict(os.environ)  # conftest's XLA_FLAGS: 8 devices, the suite's compile flags
+  assert "--xla_force_host_platform_device_count=8" in env["XLA_FLAGS"]
   env["JAX_PLATFORMS"] = "cpu"
   env["SPECDRAFT_SMOKE"] = "1"  # notebooks shrink their workloads
   env["MPLBACKEND"] = "Agg"
