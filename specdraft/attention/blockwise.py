@@ -157,38 +157,25 @@ def blk_bwd(
   tq, tk = _tile(T, tile_q), _tile(S, tile_k)
   nq, nk = T // tq, S // tk
   strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
+  to_rows = lambda x: _split(jnp.moveaxis(x, 3, 1), nq)  # [B,K,Q,T] -> [nq,B,tq,K,Q]
   q_tiles = (
     _split(q, nq),
     _split(do, nq),
-    _split(jnp.moveaxis(lse, 3, 1), nq),
-    _split(jnp.moveaxis(delta, 3, 1), nq),
-    _split(jnp.moveaxis(finite, 3, 1), nq),
+    to_rows(lse),
+    to_rows(delta),
+    to_rows(finite),
     _split(qr.pos, nq),
     _split(qr.seg, nq),
     _split(strict, nq),
   )
 
-  def k_tile(dq_acc, kargs):
-    kt, vt, kpos, kseg = kargs
-    kt, vt = kt.astype(jnp.float32), vt.astype(jnp.float32)
-
-    def q_step(carry, qargs):
-      dk, dv = carry
-      qt, dot, lt, dlt, ft, qpos, qseg, qstr = qargs
-      qt, dot = qt.astype(jnp.float32), dot.astype(jnp.float32)
-      lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,Q,tq]
-      mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
-      s = _scores(qt, kt, scale)
-      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lt[..., None]), 0.0)
-      dv = dv + jnp.einsum("bkqts,btkqd->bskd", p, dot)
-      dp = jnp.einsum("btkqd,bskd->bkqts", dot, vt)
-      ds = p * (dp - dlt[..., None])
-      dq_t = jnp.einsum("bkqts,bskd->btkqd", ds, kt) * scale
-      dk = dk + jnp.einsum("bkqts,btkqd->bskd", ds, qt) * scale
-      return (dk, dv), dq_t
-
+  def k_tile(dq_acc, k_args):
+    kt, vt, kpos, kseg = k_args
+    k_args = (kt.astype(jnp.float32), vt.astype(jnp.float32), kpos, kseg)
     zeros = jnp.zeros((B, tk, K, D), jnp.float32)
-    (dk, dv), dq_tiles = jax.lax.scan(q_step, (zeros, zeros), q_tiles)
+    (dk, dv), dq_tiles = jax.lax.scan(
+      lambda dk_dv, q_args: _bwd_tile(k_args, q_args, dk_dv, scale), (zeros, zeros), q_tiles
+    )
     # dq accumulates in the carry: O(T) memory, not O(T * key tiles)
     return dq_acc + _merge_tiles(dq_tiles), (dk, dv)
 
@@ -198,6 +185,25 @@ def blk_bwd(
     (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)),
   )
   return dq.reshape(B, T, H, D), _merge_tiles(dk_t), _merge_tiles(dv_t)
+
+
+def _bwd_tile(k_args, q_args, dk_dv, scale):
+  """One (key tile, query tile) pair of `blk_bwd`: adds to the key tile's dK, dV and returns
+  the query tile's dq."""
+  kt, vt, kpos, kseg = k_args
+  dk, dv = dk_dv
+  qt, dot, lt, dlt, ft, qpos, qseg, qstr = q_args
+  qt, dot = qt.astype(jnp.float32), dot.astype(jnp.float32)
+  lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,Q,tq]
+  mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
+  s = _scores(qt, kt, scale)
+  p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lt[..., None]), 0.0)
+  dv = dv + jnp.einsum("bkqts,btkqd->bskd", p, dot)
+  dp = jnp.einsum("btkqd,bskd->bkqts", dot, vt)
+  ds = p * (dp - dlt[..., None])
+  dq_t = jnp.einsum("bkqts,bskd->btkqd", ds, kt) * scale
+  dk = dk + jnp.einsum("bkqts,btkqd->bskd", ds, qt) * scale
+  return (dk, dv), dq_t
 
 
 def merge(out1, lse1, out2, lse2):

@@ -159,9 +159,41 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
   q, k, v, q_br, k_br, v_br, seg, pos, out, lse = res
   B, L, H, D = q.shape
   W = q_br.shape[2]
-  R, c = 1 + W, L // 2
+  R = 1 + W
   dout = dout.astype(jnp.float32)
   delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 3, 1)  # [B,H,L,R]
+  dq, dkv = _ring_trunk_bwd(
+    q, k, v, q_br, seg, pos, dout, lse, delta, branch=branch, axis_name=axis_name, cp=cp, tile=tile
+  )
+  dq_rows = dq.reshape(B, L, R, H, D)
+  dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
+  if W:
+    g_bl = bw.branch_local_bwd(
+      q_br, k_br, v_br, seg, branch, dout[:, :, 1:], lse[..., 1:], delta[..., 1:]
+    )
+    dq_br = dq_br + g_bl[0]
+    dk_br, dv_br = g_bl[1], g_bl[2]
+  else:
+    dk_br, dv_br = jnp.zeros_like(k_br, jnp.float32), jnp.zeros_like(v_br, jnp.float32)
+  cast = lambda g, x: g.astype(x.dtype)
+  return (
+    cast(dq, q),
+    cast(dkv[0], k),
+    cast(dkv[1], v),
+    cast(dq_br, q_br),
+    cast(dk_br, k_br),
+    cast(dv_br, v_br),
+    None,
+    None,
+  )
+
+
+def _ring_trunk_bwd(q, k, v, q_br, seg, pos, dout, lse, delta, *, branch, axis_name, cp, tile):
+  """The second ring pass: dq of every local query row (trunk and branch) against the trunk
+  keys, and dK/dV of this rank's trunk keys (accumulated while they travel, then returned)."""
+  B, L, H, D = q.shape
+  W = q_br.shape[2]
+  R, c = 1 + W, L // 2
   qa, qrows = _query_rows(q, q_br, pos, seg, branch)
   do_rows = dout.reshape(B, L * R, H, D)
   lse_rows, delta_rows = lse.reshape(B, H, L * R), delta.reshape(B, H, L * R)
@@ -221,29 +253,7 @@ def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
   if cp > 1:
     (_, dkv, dq), _ = jax.lax.scan(ring_step, (kv, dkv, dq), jnp.arange(1, cp))
     dkv = jax.lax.ppermute(dkv, axis_name, perm)  # the last hop returns them to the owner
-
-  dq_rows = dq.reshape(B, L, R, H, D)
-  dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
-  dk_br = dv_br = None
-  if W:
-    g_bl = bw.branch_local_bwd(
-      q_br, k_br, v_br, seg, branch, dout[:, :, 1:], lse[..., 1:], delta[..., 1:]
-    )
-    dq_br = dq_br + g_bl[0]
-    dk_br, dv_br = g_bl[1], g_bl[2]
-  else:
-    dk_br, dv_br = jnp.zeros_like(k_br, jnp.float32), jnp.zeros_like(v_br, jnp.float32)
-  cast = lambda g, x: g.astype(x.dtype)
-  return (
-    cast(dq, q),
-    cast(dkv[0], k),
-    cast(dkv[1], v),
-    cast(dq_br, q_br),
-    cast(dk_br, k_br),
-    cast(dv_br, v_br),
-    None,
-    None,
-  )
+  return dq, dkv
 
 
 _ring_vjp.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
