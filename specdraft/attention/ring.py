@@ -22,7 +22,7 @@ the pairs computed are counted by a counter carried through the schedule. Under 
 contiguous layout rank r computes r+1 blocks and the last rank waits for all of them.
 
 Shape letters (local, per shard): B batch, L local anchors (two zigzag chunks of c), W branch
-width, R = 1 + W query rows per anchor, H query heads, K kv heads, N = H // K query heads per kv
+width, R = 1 + W query rows per anchor, H query heads, K kv heads, Q = H // K query heads per kv
 head, D head dim, A anchors per query tile, T keys per key tile.
 """
 
@@ -60,7 +60,7 @@ class _Plan(NamedTuple):
     return 1 + self.W
 
   @property
-  def N(self):
+  def Q(self):
     return self.H // self.K
 
   @property
@@ -111,17 +111,17 @@ def _put(x, update, start, axis=1):
 
 
 def _q_tile(pl: _Plan, q_BLHD, q_BLWHD, a0):
-  """The R query rows of anchors [a0, a0 + A): [B, A, R, K, N, D] float32."""
+  """The R query rows of anchors [a0, a0 + A): [B, A, R, K, Q, D] float32."""
   q = _tile_f32(q_BLHD, a0, pl.A)[:, :, None]
   if pl.W:
     q = jnp.concatenate([q, _tile_f32(q_BLWHD, a0, pl.A)], axis=2)
-  return q.reshape(pl.B, pl.A, pl.R, pl.K, pl.N, pl.D)
+  return q.reshape(pl.B, pl.A, pl.R, pl.K, pl.Q, pl.D)
 
 
 def _rows_tile(pl: _Plan, x_BLRH, a0):
-  """A slice of per-row state [B, L, R, H(, D)] as [B, A, R, K, N(, D)]."""
+  """A slice of per-row state [B, L, R, H(, D)] as [B, A, R, K, Q(, D)]."""
   t = _dyn(x_BLRH, a0, pl.A)
-  return t.reshape(t.shape[:3] + (pl.K, pl.N) + t.shape[4:])
+  return t.reshape(t.shape[:3] + (pl.K, pl.Q) + t.shape[4:])
 
 
 def _visible_AT(pl: _Plan, qpos_BA, qseg_BA, kpos_BT, kseg_BT):
@@ -210,7 +210,7 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, state, count, kv):
 
 def _branch_scores(pl: _Plan, q_BLWHD, k_BLWKD, seg_BL, a0):
   """Branch queries of anchors [a0, a0+A) against their own branch keys: scores and mask."""
-  q_t = _tile_f32(q_BLWHD, a0, pl.A).reshape(pl.B, pl.A, pl.W, pl.K, pl.N, pl.D)
+  q_t = _tile_f32(q_BLWHD, a0, pl.A).reshape(pl.B, pl.A, pl.W, pl.K, pl.Q, pl.D)
   k_t = _tile_f32(k_BLWKD, a0, pl.A)
   s = jnp.einsum("bajknd,baikd->bajkni", q_t, k_t) * pl.D**-0.5
   vis_WW = (
@@ -221,9 +221,9 @@ def _branch_scores(pl: _Plan, q_BLWHD, k_BLWKD, seg_BL, a0):
   return q_t, k_t, s, mask
 
 
-def _put_branch_rows(x_BLRH, t_BAWKN, a0, pl: _Plan):
+def _put_branch_rows(x_BLRH, t_BAWKQ, a0, pl: _Plan):
   """Writes branch rows (R index 1..W) of anchors [a0, a0+A) into per-row state."""
-  t = t_BAWKN.reshape(t_BAWKN.shape[:3] + (pl.H,) + t_BAWKN.shape[5:])
+  t = t_BAWKQ.reshape(t_BAWKQ.shape[:3] + (pl.H,) + t_BAWKQ.shape[5:])
   start = (0, a0, 1) + (0,) * (x_BLRH.ndim - 3)
   return jax.lax.dynamic_update_slice(x_BLRH, t.astype(x_BLRH.dtype), start)
 
@@ -287,7 +287,7 @@ def _forward(
 
 def _pair_tile(pl: _Plan, pair, a0):
   """Rows of anchors [a0, a0+A) from a (trunk [B,L,H,D], branch [B,L,W,H,D]) pair of arrays:
-  [B, A, R, K, N, D] float32."""
+  [B, A, R, K, Q, D] float32."""
   return _q_tile(pl, *pair, a0)
 
 
