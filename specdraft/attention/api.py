@@ -104,6 +104,7 @@ def context_parallel(
   cp_axis="cp",
   tile=512,
   custom_grad=True,
+  **ring_options,
 ):
   """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
   rows out in zigzag order once, runs the per-shard program under shard_map over `cp_axis`, and
@@ -130,7 +131,9 @@ def context_parallel(
   body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
   kw = dict(branch=branch, axis_name=cp_axis, cp=cp, tile=tile)
   if impl == "ring":
-    kw["custom_grad"] = custom_grad
+    kw.update(custom_grad=custom_grad, **ring_options)  # accumulate_dtype, skip_empty
+  elif ring_options:
+    raise ValueError(f"{sorted(ring_options)} apply to impl='ring' only (impl={impl!r})")
   spec = PartitionSpec(None, cp_axis)  # every per-token array is sharded on its sequence axis
   fn = jax.shard_map(
     lambda *a: body(*a, **kw),

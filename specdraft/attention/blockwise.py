@@ -1,5 +1,6 @@
-"""Blockwise attention primitives: a tiled, float32, (out, lse) block and its backward, the
-overflow-safe LSE merge, and the rank-local branch block.
+"""Blockwise attention primitives of the all-gather baseline: a tiled, float32, (out, lse) block
+(differentiated by autodiff), the overflow-safe LSE merge, and the rank-local branch block. The
+ring (ring.py) runs its own in-place online softmax over the same mask.
 
 A block attends query rows to key rows under the mask
   same segment, segment != 0, and  k_pos + strict <= q_pos
@@ -124,88 +125,6 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
   return _merge_tiles(outs), _merge_tiles(lses, axis=2)
 
 
-def blk_bwd(
-  q_BTHD,
-  k_BSKD,
-  v_BSKD,
-  qr: Rows,
-  kr: Rows,
-  do_BTHD,
-  lse_BHT,
-  delta_BHT,
-  *,
-  tile_q: int = 512,
-  tile_k: int = 512,
-):
-  """Gradients of one block given the FINAL (merged) lse and delta = rowsum(dO * O).
-
-  Every block's backward is local: with probabilities p = exp(s - lse), dV = p^T dO and
-  ds = p (dO V^T - delta).
-  Returns (dq_BTHD, dk_BSKD, dv_BSKD) in float32.
-  """
-  B, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  Q = H // K
-  scale = D**-0.5
-  q = q_BTHD.reshape(B, T, K, Q, D)
-  do = do_BTHD.reshape(B, T, K, Q, D)
-  k, v = k_BSKD, v_BSKD
-  lse = lse_BHT.reshape(B, K, Q, T)
-  delta = delta_BHT.reshape(B, K, Q, T)
-  finite = jnp.isfinite(lse)
-  lse = jnp.where(finite, lse, 0.0)
-  tq, tk = _tile(T, tile_q), _tile(S, tile_k)
-  nq, nk = T // tq, S // tk
-  strict = qr.strict if qr.strict is not None else jnp.zeros_like(qr.pos)
-  to_rows = lambda x: _split(jnp.moveaxis(x, 3, 1), nq)  # [B,K,Q,T] -> [nq,B,tq,K,Q]
-  q_tiles = (
-    _split(q, nq),
-    _split(do, nq),
-    to_rows(lse),
-    to_rows(delta),
-    to_rows(finite),
-    _split(qr.pos, nq),
-    _split(qr.seg, nq),
-    _split(strict, nq),
-  )
-
-  def k_tile(dq_acc, k_args):
-    kt, vt, kpos, kseg = k_args
-    k_args = (kt.astype(jnp.float32), vt.astype(jnp.float32), kpos, kseg)
-    zeros = jnp.zeros((B, tk, K, D), jnp.float32)
-    (dk, dv), dq_tiles = jax.lax.scan(
-      lambda dk_dv, q_args: _bwd_tile(k_args, q_args, dk_dv, scale), (zeros, zeros), q_tiles
-    )
-    # dq accumulates in the carry: O(T) memory, not O(T * key tiles)
-    return dq_acc + _merge_tiles(dq_tiles), (dk, dv)
-
-  dq, (dk_t, dv_t) = jax.lax.scan(
-    k_tile,
-    jnp.zeros((B, T, K, Q, D), jnp.float32),
-    (_split(k, nk), _split(v, nk), _split(kr.pos, nk), _split(kr.seg, nk)),
-  )
-  return dq.reshape(B, T, H, D), _merge_tiles(dk_t), _merge_tiles(dv_t)
-
-
-def _bwd_tile(k_args, q_args, dk_dv, scale):
-  """One (key tile, query tile) pair of `blk_bwd`: adds to the key tile's dK, dV and returns
-  the query tile's dq."""
-  kt, vt, kpos, kseg = k_args
-  dk, dv = dk_dv
-  qt, dot, lt, dlt, ft, qpos, qseg, qstr = q_args
-  qt, dot = qt.astype(jnp.float32), dot.astype(jnp.float32)
-  lt, dlt, ft = (jnp.moveaxis(x, 1, 3) for x in (lt, dlt, ft))  # [B,K,Q,tq]
-  mask = block_mask(Rows(qpos, qseg, qstr), Rows(kpos, kseg))[:, None, None] & ft[..., None]
-  s = _scores(qt, kt, scale)
-  p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lt[..., None]), 0.0)
-  dv = dv + jnp.einsum("bkqts,btkqd->bskd", p, dot)
-  dp = jnp.einsum("btkqd,bskd->bkqts", dot, vt)
-  ds = p * (dp - dlt[..., None])
-  dq_t = jnp.einsum("bkqts,bskd->btkqd", ds, kt) * scale
-  dk = dk + jnp.einsum("bkqts,btkqd->bskd", ds, qt) * scale
-  return (dk, dv), dq_t
-
-
 def merge(out1, lse1, out2, lse2):
   """Exact, overflow-safe merge of two partial softmax results over disjoint key sets.
 
@@ -240,28 +159,3 @@ def branch_local(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch: str):
 def _branch_mask(seg_BS, W, branch):
   vis = jnp.tril(jnp.ones((W, W), bool)) if branch == "ttt" else jnp.ones((W, W), bool)
   return vis[None, None, None, None] & (seg_BS != 0)[:, None, None, :, None, None]
-
-
-def branch_local_bwd(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch, do_BSWHD, lse_BHSW, delta_BHSW):
-  """Gradients of the branch-local block from the final lse (closed form)."""
-  B, S, W, H, D = q_BSWHD.shape
-  K = k_BSWKD.shape[3]
-  Q = H // K
-  scale = D**-0.5
-  q = q_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
-  do = do_BSWHD.astype(jnp.float32).reshape(B, S, W, K, Q, D)
-  k, v = k_BSWKD.astype(jnp.float32), v_BSWKD.astype(jnp.float32)
-  lse = lse_BHSW.reshape(B, K, Q, S, W)
-  delta = delta_BHSW.reshape(B, K, Q, S, W)
-  finite = jnp.isfinite(lse)
-  mask = _branch_mask(seg_BS, W, branch) & finite[..., None]
-  s = jnp.einsum("btjkqd,btikd->bkqtji", q, k) * scale
-  p = jnp.where(
-    mask, jnp.exp(jnp.where(mask, s, 0.0) - jnp.where(finite, lse, 0.0)[..., None]), 0.0
-  )
-  dv = jnp.einsum("bkqtji,btjkqd->btikd", p, do)
-  dp = jnp.einsum("btjkqd,btikd->bkqtji", do, v)
-  ds = p * (dp - delta[..., None])
-  dq = jnp.einsum("bkqtji,btikd->btjkqd", ds, k) * scale
-  dk = jnp.einsum("bkqtji,btjkqd->btikd", ds, q) * scale
-  return dq.reshape(B, S, W, H, D), dk, dv

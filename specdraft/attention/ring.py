@@ -1,29 +1,511 @@
-"""Context-parallel trunk + branch attention: zigzag ring (and all-gather) per-shard programs.
+"""Context-parallel trunk + branch attention: the ring (and the all-gather baseline), per shard.
 
 "Trunk rides the ring, branch stays local": trunk K/V (with their global positions and segment
-ids) rotate by ppermute; each ring step yields a partial (out, lse) for the local trunk AND
-branch queries (a branch query (t, j) sees trunk keys like its anchor t, strictly before t for
-"block"); branch K/V never enter a collective and are attended locally; all parts merge exactly
-through their LSE in float32. Zigzag balance: after step 0 (local causal, 3 sub-blocks) every
-step computes exactly two chunk-by-chunk sub-blocks on every rank:
-  source < rank: (local chunk 1, incoming chunk 1) and (local chunk 2, incoming chunk 1)
-  source > rank: (local chunk 2, incoming chunk 1) and (local chunk 2, incoming chunk 2)
-The backward (jax.custom_vjp) is a second ring pass in which dK/dV accumulators travel with their
-K/V and return to the owner with one more ppermute; branch gradients are local, from the merged
-LSE.
+ids) rotate around the `cp` ring by ppermute; every local query row (the trunk query of an anchor
+and its W branch queries; a branch query (t, j) sees trunk keys like its anchor t, strictly before
+t for "block") meets every K/V block once; branch K/V never enter a collective and are attended
+where they live. Everything is one flash-style online softmax over float32 state that lives
+across the ring steps, so nothing is merged after the fact.
 
-Shape letters (local): B batch, L local rows (= 2 chunks of c), W branch width, R = 1 + W query
-rows per anchor, H/K heads, D head dim.
+Memory. One `jax.custom_vjp` covers the whole ring. The forward keeps, per query row and head,
+the running max and sum and a float32 numerator (the only query-sized float32 buffer), and returns
+the outputs in the input dtype; the backward saves only the inputs, the outputs (input dtype) and
+one float32 log-sum-exp per row and head, and keeps one float32 dq accumulator across its ring
+steps (dK/dV accumulators travel with their K/V and are trunk-sized). Queries are gathered into
+rows tile by tile (never a `[B, L*R, H, D]` copy), every tile is upcast on its own, and the state
+is updated in place by dynamic slices inside the loops, so temporaries are O(tile).
+
+Work. The ring is layout-agnostic: every (query tile, key tile) pair whose mask has no visible
+entry (positions and segment ids decide) is skipped by `lax.cond`, in forward and backward, and
+the pairs computed are counted by a counter carried through the schedule. Under the zigzag layout
+(rank r holds chunks r and 2cp-1-r) the skipped pairs leave each rank the same causal work; under a
+contiguous layout rank r computes r+1 blocks and the last rank waits for all of them.
+
+Shape letters (local, per shard): B batch, L local anchors (two zigzag chunks of c), W branch
+width, R = 1 + W query rows per anchor, H query heads, K kv heads, Q = H // K query heads per kv
+head, D head dim, A anchors per query tile, T keys per key tile.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specdraft.attention import blockwise as bw
+
+_MASKED = -1e30
+_F32 = jnp.float32
+
+
+class _Plan(NamedTuple):
+  """Static sizes of one shard's problem."""
+
+  B: int
+  L: int
+  W: int
+  H: int
+  K: int
+  D: int
+  A: int  # anchors per query tile
+  T: int  # keys per key tile
+  branch: str
+  skip: bool  # skip (query tile, key tile) pairs with no visible entry
+
+  @property
+  def R(self):
+    return 1 + self.W
+
+  @property
+  def Q(self):
+    return self.H // self.K
+
+  @property
+  def strict_R(self):
+    """Per query row of an anchor: 1 where trunk keys must be strictly earlier ("block")."""
+    return np.asarray([0] + [int(self.branch == "block")] * self.W, np.int32)
+
+
+def tile_sizes(L: int, W: int, tile: int) -> tuple[int, int]:
+  """(anchors per query tile A, keys per key tile T) for L local rows: about `tile` query rows
+  and `tile` keys, each dividing a zigzag chunk (L / 2) so no tile straddles the two chunks."""
+  c = L // 2
+  return bw._tile(c, max(1, tile // (1 + W))), bw._tile(c, tile)
+
+
+def _plan(q_BLHD, k_BLKD, q_BLWHD, branch, tile, skip=True) -> _Plan:
+  B, L, H, D = q_BLHD.shape
+  K, W = k_BLKD.shape[2], q_BLWHD.shape[2]
+  A, T = tile_sizes(L, W, tile)
+  return _Plan(B, L, W, H, K, D, A, T, branch, skip)
+
+
+def _dyn(x, start, size, axis=1):
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _tile_f32(x, start, size):
+  """A tile of x upcast to float32.
+
+  Call it only inside a `lax.cond` branch: in straight-line loop code XLA rewrites
+  convert(slice(x)) as slice(convert(x)) and hoists a float32 copy of the WHOLE array out of the
+  loop (gigabytes at long context); a conditional's branch is not hoisted from. Every tile load
+  here sits in the branch that skips empty tiles anyway."""
+  return _dyn(x, start, size).astype(_F32)
+
+
+def _when(pred, fn, operand):
+  """fn(operand) if pred else operand (a `lax.cond`; see `_tile_f32`)."""
+  return jax.lax.cond(pred, fn, lambda x: x, operand)
+
+
+def _live(seg_BL, a0, size):
+  return (_dyn(seg_BL, a0, size) != 0).any()
+
+
+def _put(x, update, start, axis=1):
+  return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+def _q_tile(pl: _Plan, q_BLHD, q_BLWHD, a0):
+  """The R query rows of anchors [a0, a0 + A): [B, A, R, K, Q, D] float32."""
+  q = _tile_f32(q_BLHD, a0, pl.A)[:, :, None]
+  if pl.W:
+    q = jnp.concatenate([q, _tile_f32(q_BLWHD, a0, pl.A)], axis=2)
+  return q.reshape(pl.B, pl.A, pl.R, pl.K, pl.Q, pl.D)
+
+
+def _rows_tile(pl: _Plan, x_BLRH, a0):
+  """A slice of per-row state [B, L, R, H(, D)] as [B, A, R, K, Q(, D)]."""
+  t = _dyn(x_BLRH, a0, pl.A)
+  return t.reshape(t.shape[:3] + (pl.K, pl.Q) + t.shape[4:])
+
+
+def _visible_AT(pl: _Plan, qpos_BA, qseg_BA, kpos_BT, kseg_BT):
+  """Anchor-level trunk visibility [B, A, T] (strict = 0: a superset of every row's mask)."""
+  same = (qseg_BA[:, :, None] == kseg_BT[:, None, :]) & (qseg_BA[:, :, None] != 0)
+  return same & (kpos_BT[:, None, :] <= qpos_BA[:, :, None])
+
+
+def _computed(pl: _Plan, vis_BAT):
+  """Whether a tile pair is computed: it has a visible entry (or skipping is off)."""
+  return vis_BAT.any() | (not pl.skip)
+
+
+def _row_mask(pl: _Plan, vis_BAT, qpos_BA, kpos_BT):
+  """Per query row [B, A, R, 1, 1, T]: block-branch rows also need k_pos < q_pos."""
+  if pl.branch != "block" or not pl.W:
+    return vis_BAT[:, :, None, None, None, :]
+  earlier = kpos_BT[:, None, :] < qpos_BA[:, :, None]
+  strict = jnp.asarray(pl.strict_R, bool)[None, None, :, None]
+  m = vis_BAT[:, :, None] & (~strict | earlier[:, :, None])  # [B, A, R, T]
+  return m[:, :, :, None, None, :]
+
+
+def _online(state, s, mask, v_fn):
+  """One online-softmax update of (m, l, acc) with scores s [..., T] under mask."""
+  m, l, acc = state
+  s = jnp.where(mask, s, _MASKED)
+  m_new = jnp.maximum(m, s.max(-1))
+  p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+  corr = jnp.exp(m - m_new)
+  # with a float32 state (always, except in the test that shows why) these casts are no-ops
+  l = (l * corr + p.sum(-1)).astype(l.dtype)
+  acc = (acc * corr[..., None] + v_fn(p)).astype(acc.dtype)
+  return m_new, l, acc
+
+
+def _for(n, body, init):
+  """A loop over n steps: a fori_loop (in-place updates of its carry) unless n == 1."""
+  if n == 1:
+    return body(0, init)
+  return jax.lax.fori_loop(0, n, body, init)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, state, count, kv):
+  """Every local query tile against one trunk K/V block, skipping pairs with nothing visible."""
+  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv
+  scale = pl.D**-0.5
+  n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
+
+  def q_body(i, carry):
+    (m_all, l_all, acc_all), count = carry
+    a0 = i * pl.A
+    qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
+    st = tuple(_rows_tile(pl, x, a0) for x in (m_all, l_all, acc_all))
+
+    def k_body(j, carry):
+      st, count = carry
+      t0 = j * pl.T
+      kpos, kseg = _dyn(kpos_BL, t0, pl.T), _dyn(kseg_BL, t0, pl.T)
+      vis = _visible_AT(pl, qpos, qseg, kpos, kseg)
+
+      def compute(st):
+        q_t = _q_tile(pl, q_BLHD, q_BLWHD, a0)
+        k_t = _tile_f32(k_BLKD, t0, pl.T)
+        v_t = _tile_f32(v_BLKD, t0, pl.T)
+        s = jnp.einsum("barknd,btkd->barknt", q_t, k_t) * scale
+        mask = _row_mask(pl, vis, qpos, kpos)
+        return _online(st, s, mask, lambda p: jnp.einsum("barknt,btkd->barknd", p, v_t))
+
+      any_vis = _computed(pl, vis)
+      st = _when(any_vis, compute, st)
+      return st, count + any_vis.astype(jnp.int32)
+
+    st, count = _for(n_k, k_body, (st, count))
+    new = tuple(
+      _put(x, t.reshape(t.shape[:3] + (pl.H,) + t.shape[5:]), a0)
+      for x, t in zip((m_all, l_all, acc_all), st)
+    )
+    return new, count
+
+  return _for(n_q, q_body, (state, count))
+
+
+def _branch_scores(pl: _Plan, q_BLWHD, k_BLWKD, seg_BL, a0):
+  """Branch queries of anchors [a0, a0+A) against their own branch keys: scores and mask."""
+  q_t = _tile_f32(q_BLWHD, a0, pl.A).reshape(pl.B, pl.A, pl.W, pl.K, pl.Q, pl.D)
+  k_t = _tile_f32(k_BLWKD, a0, pl.A)
+  s = jnp.einsum("bajknd,baikd->bajkni", q_t, k_t) * pl.D**-0.5
+  vis_WW = (
+    np.tril(np.ones((pl.W, pl.W), bool)) if pl.branch == "ttt" else np.ones((pl.W,) * 2, bool)
+  )
+  live = _dyn(seg_BL, a0, pl.A) != 0
+  mask = jnp.asarray(vis_WW)[None, None, :, None, None, :] & live[:, :, None, None, None, None]
+  return q_t, k_t, s, mask
+
+
+def _put_branch_rows(x_BLRH, t_BAWKQ, a0, pl: _Plan):
+  """Writes branch rows (R index 1..W) of anchors [a0, a0+A) into per-row state."""
+  t = t_BAWKQ.reshape(t_BAWKQ.shape[:3] + (pl.H,) + t_BAWKQ.shape[5:])
+  start = (0, a0, 1) + (0,) * (x_BLRH.ndim - 3)
+  return jax.lax.dynamic_update_slice(x_BLRH, t.astype(x_BLRH.dtype), start)
+
+
+def _attend_branch(pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, state):
+  """Each anchor's branch queries against its own branch keys (rank-local, no collective)."""
+
+  def q_body(i, state):
+    a0 = i * pl.A
+
+    def compute(state):
+      _, _, s, mask = _branch_scores(pl, q_BLWHD, k_BLWKD, seg_BL, a0)
+      v_t = _tile_f32(v_BLWKD, a0, pl.A)
+      st = tuple(_rows_tile(pl, x, a0)[:, :, 1:] for x in state)
+      st = _online(st, s, mask, lambda p: jnp.einsum("bajkni,baikd->bajknd", p, v_t))
+      return tuple(_put_branch_rows(x, t, a0, pl) for x, t in zip(state, st))
+
+    return _when(_live(seg_BL, a0, pl.A), compute, state)
+
+  return _for(pl.L // pl.A, q_body, state)
+
+
+def _forward(
+  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile, acc_dtype, skip=True
+):
+  """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs."""
+  pl = _plan(q, k, q_br, branch, tile, skip)
+  B, L, R, H, D = pl.B, pl.L, pl.R, pl.H, pl.D
+  state = (
+    jnp.full((B, L, R, H), _MASKED, _F32),
+    jnp.zeros((B, L, R, H), acc_dtype),
+    jnp.zeros((B, L, R, H, D), acc_dtype),
+  )
+  if pl.W:
+    state = _attend_branch(pl, q_br, k_br, v_br, seg, state)
+  attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg)
+  kv, count = (k, v, pos, seg), jnp.zeros((), jnp.int32)
+  if cp > 1:
+    perm = [(j, (j + 1) % cp) for j in range(cp)]
+
+    def ring_step(carry, _):
+      """Send this block on while attending to it (the next one arrives meanwhile)."""
+      kv, state, count = carry
+      nxt = jax.lax.ppermute(kv, axis_name, perm)
+      state, count = attend(state, count, kv)
+      return (nxt, state, count), None
+
+    (kv, state, count), _ = jax.lax.scan(ring_step, (kv, state, count), None, length=cp - 1)
+  (m, l, acc), count = attend(state, count, kv)
+  ok = l > 0
+  safe = jnp.where(ok, l, 1.0).astype(_F32)
+  # normalise straight into the input dtype (one fusion each: no float32 output copy)
+  out = (acc[:, :, 0] / safe[:, :, 0, :, None]).astype(q.dtype)
+  out_br = (acc[:, :, 1:] / safe[:, :, 1:, :, None]).astype(q_br.dtype)
+  lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
+  return out, out_br, lse, count
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _pair_tile(pl: _Plan, pair, a0):
+  """Rows of anchors [a0, a0+A) from a (trunk [B,L,H,D], branch [B,L,W,H,D]) pair of arrays:
+  [B, A, R, K, Q, D] float32."""
+  return _q_tile(pl, *pair, a0)
+
+
+def _put_pair(pl: _Plan, pair, t_BARKND, a0):
+  t = t_BARKND.reshape(pl.B, pl.A, pl.R, pl.H, pl.D)
+  return _put(pair[0], t[:, :, 0], a0), _put(pair[1], t[:, :, 1:], a0)
+
+
+def _delta_rows(pl: _Plan, dos, outs, seg_BL):
+  """delta = rowsum(dO * O) per row and head, [B, L, R, H] float32, tile by tile."""
+
+  def body(i, delta):
+    a0 = i * pl.A
+
+    def compute(delta):
+      d = jnp.sum(_pair_tile(pl, dos, a0) * _pair_tile(pl, outs, a0), axis=-1)
+      return _put(delta, d.reshape(pl.B, pl.A, pl.R, pl.H), a0)
+
+    return _when(_live(seg_BL, a0, pl.A), compute, delta)
+
+  return _for(pl.L // pl.A, body, jnp.zeros((pl.B, pl.L, pl.R, pl.H), _F32))
+
+
+def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
+  """dq of every local query tile, dK/dV of one trunk block; invisible pairs skipped."""
+  q_BLHD, q_BLWHD = qs
+  do_BLHD, do_BLWHD, lse_BLRH, delta_BLRH = gs
+  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv
+  scale = pl.D**-0.5
+  n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
+
+  def q_body(i, carry):
+    dqs, dk, dv, count = carry
+    a0 = i * pl.A
+    lse_t, delta_t = _rows_tile(pl, lse_BLRH, a0), _rows_tile(pl, delta_BLRH, a0)
+    finite = jnp.isfinite(lse_t)
+    lse_t = jnp.where(finite, lse_t, 0.0)
+    qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
+
+    def k_body(j, carry):
+      dq_t, dk, dv, count = carry
+      t0 = j * pl.T
+      kpos, kseg = _dyn(kpos_BL, t0, pl.T), _dyn(kseg_BL, t0, pl.T)
+      vis = _visible_AT(pl, qpos, qseg, kpos, kseg)
+
+      def compute(c):
+        dq_t, dk, dv = c
+        q_t = _q_tile(pl, q_BLHD, q_BLWHD, a0)
+        do_t = _pair_tile(pl, (do_BLHD, do_BLWHD), a0)
+        k_t = _tile_f32(k_BLKD, t0, pl.T)
+        v_t = _tile_f32(v_BLKD, t0, pl.T)
+        mask = _row_mask(pl, vis, qpos, kpos) & finite[..., None]
+        s = jnp.einsum("barknd,btkd->barknt", q_t, k_t) * scale
+        p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lse_t[..., None]), 0.0)
+        dp = jnp.einsum("barknd,btkd->barknt", do_t, v_t)
+        ds = p * (dp - delta_t[..., None])
+        dq_t = dq_t + jnp.einsum("barknt,btkd->barknd", ds, k_t) * scale
+        dk_t = jnp.einsum("barknt,barknd->btkd", ds, q_t) * scale
+        dv_t = jnp.einsum("barknt,barknd->btkd", p, do_t)
+        dk = _put(dk, _dyn(dk, t0, pl.T) + dk_t, t0)
+        dv = _put(dv, _dyn(dv, t0, pl.T) + dv_t, t0)
+        return dq_t, dk, dv
+
+      any_vis = _computed(pl, vis)
+      dq_t, dk, dv = _when(any_vis, compute, (dq_t, dk, dv))
+      return dq_t, dk, dv, count + any_vis.astype(jnp.int32)
+
+    dq_t = _pair_tile(pl, dqs, a0)
+    dq_t, dk, dv, count = _for(n_k, k_body, (dq_t, dk, dv, count))
+    return _put_pair(pl, dqs, dq_t, a0), dk, dv, count
+
+  return _for(n_q, q_body, carry)
+
+
+def _branch_bwd(
+  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD
+):
+  """Closed-form gradients of the rank-local branch block from the final lse."""
+  dk_br = jnp.zeros(k_BLWKD.shape, k_BLWKD.dtype)
+  dv_br = jnp.zeros(v_BLWKD.shape, v_BLWKD.dtype)
+
+  def q_body(i, carry):
+    a0 = i * pl.A
+
+    def compute(carry):
+      dq, dk_br, dv_br = carry
+      q_t, k_t, s, mask = _branch_scores(pl, q_BLWHD, k_BLWKD, seg_BL, a0)
+      v_t = _tile_f32(v_BLWKD, a0, pl.A)
+      do_t = _tile_f32(do_BLWHD, a0, pl.A).reshape(q_t.shape)
+      lse_t = _rows_tile(pl, lse_BLRH, a0)[:, :, 1:]
+      delta_t = _rows_tile(pl, delta_BLRH, a0)[:, :, 1:]
+      finite = jnp.isfinite(lse_t)
+      mask = mask & finite[..., None]
+      lse_t = jnp.where(finite, lse_t, 0.0)
+      p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lse_t[..., None]), 0.0)
+      dp = jnp.einsum("bajknd,baikd->bajkni", do_t, v_t)
+      ds = p * (dp - delta_t[..., None])
+      scale = pl.D**-0.5
+      dq_t = jnp.einsum("bajkni,baikd->bajknd", ds, k_t) * scale
+      dq = _put(dq, _dyn(dq, a0, pl.A) + dq_t.reshape(pl.B, pl.A, pl.W, pl.H, pl.D), a0)
+      dk_br = _put(dk_br, jnp.einsum("bajkni,bajknd->baikd", ds, q_t) * scale, a0)
+      dv_br = _put(dv_br, jnp.einsum("bajkni,bajknd->baikd", p, do_t), a0)
+      return dq, dk_br, dv_br
+
+    return _when(_live(seg_BL, a0, pl.A), compute, carry)
+
+  return _for(pl.L // pl.A, q_body, (dq_BLWHD, dk_br, dv_br))
+
+
+def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
+  del acc_dtype  # the backward always accumulates in float32
+  q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse = res
+  do, do_br = cotangents
+  pl = _plan(q, k, q_br, branch, tile, skip)
+  delta = _delta_rows(pl, (do, do_br), (out, out_br), seg)
+  # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
+  # final casts read them in place)
+  dq, dq_br = jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)
+  if pl.W:
+    dq_br, dk_br, dv_br = _branch_bwd(pl, q_br, k_br, v_br, seg, do_br, lse, delta, dq_br)
+  else:
+    dk_br, dv_br = jnp.zeros_like(k_br), jnp.zeros_like(v_br)
+  attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), (do, do_br, lse, delta), pos, seg)
+  kv = (k, v, pos, seg)
+  zeros = jnp.zeros(k.shape, _F32)
+  dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, jnp.zeros((), jnp.int32)), kv)
+  if cp > 1:
+    perm = [(j, (j + 1) % cp) for j in range(cp)]
+
+    def ring_step(carry, _):
+      """K/V of an earlier rank arrive with their dK/dV accumulators; add this rank's share."""
+      kv, dqs, dk, dv, count = carry
+      kv, (dk, dv) = jax.lax.ppermute((kv, (dk, dv)), axis_name, perm)
+      dqs, dk, dv, count = attend((dqs, dk, dv, count), kv)
+      return (kv, dqs, dk, dv, count), None
+
+    init = (kv, dqs, dk, dv, jnp.zeros((), jnp.int32))
+    (_, dqs, dk, dv, _), _ = jax.lax.scan(ring_step, init, None, length=cp - 1)
+    dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)  # the last hop returns them home
+  return (
+    dqs[0].astype(q.dtype),
+    dk.astype(k.dtype),
+    dv.astype(v.dtype),
+    dqs[1].astype(q_br.dtype),
+    dk_br,
+    dv_br,
+    None,
+    None,
+  )
+
+
+# ----------------------------------------------------------------------------- public
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _ring(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
+  kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
+  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:2]
+
+
+def _ring_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
+  kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
+  out, out_br, lse, _ = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
+  return (out, out_br), (q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse)
+
+
+_ring.defvjp(_ring_fwd, _backward)
+
+
+def ring_attention_shard(
+  q,
+  k,
+  v,
+  q_br,
+  k_br,
+  v_br,
+  seg,
+  pos,
+  *,
+  branch,
+  axis_name,
+  cp,
+  tile=512,
+  custom_grad=True,
+  accumulate_dtype=jnp.float32,
+  skip_empty=True,
+  return_work=False,
+):
+  """Per-device ring trunk + local branch attention (call inside shard_map).
+
+  Local arrays in the ring's layout (zigzag for balance; any layout is exact): q [B,L,H,D],
+  k/v [B,L,K,D], q_br [B,L,W,H,D], k_br/v_br [B,L,W,K,D], seg/pos [B,L] (global positions).
+  Returns (out [B,L,H,D], out_br [B,L,W,H,D]) in the inputs' dtypes. `tile` is the number of
+  query rows and of keys per tile. `custom_grad=False` differentiates the forward by autodiff (the
+  reference for the custom backward); `accumulate_dtype` exists for the test that shows why the
+  state is float32; `skip_empty=False` computes every tile pair (to measure what skipping saves);
+  `return_work=True` also returns the number of (query tile, key tile) pairs this rank computed
+  in the forward (the backward computes the same pairs).
+  """
+  if q.shape[1] % 2:
+    raise ValueError(f"local length {q.shape[1]} must be two equal zigzag chunks (S % 2cp == 0)")
+  kw = dict(
+    branch=branch,
+    axis_name=axis_name,
+    cp=cp,
+    tile=tile,
+    acc_dtype=accumulate_dtype,
+    skip=skip_empty,
+  )
+  if return_work:
+    out, out_br, _, count = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
+    return out, out_br, count
+  if custom_grad:
+    return _ring(q, k, v, q_br, k_br, v_br, seg, pos, *kw.values())
+  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:2]
+
+
+# ----------------------------------------------------------------------------- all-gather
 
 
 def _query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch):
@@ -39,224 +521,6 @@ def _query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch):
     jnp.broadcast_to(jnp.tile(strict, L), (B, L * R)),
   )
   return q.reshape(B, L * R, H, D), rows
-
-
-def _take(rows: bw.Rows, sl):
-  return bw.Rows(*(None if a is None else a[:, sl] for a in rows))
-
-
-def _dyn(x, start, size, axis=1):
-  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-def _dyn_rows(rows: bw.Rows, start, size):
-  return bw.Rows(*(None if a is None else _dyn(a, start, size) for a in rows))
-
-
-def _halves(kv, c):
-  """Split local (k, v, rows) into its two zigzag chunks."""
-  k, v, kr = kv
-  return (
-    (k[:, :c], v[:, :c], _take(kr, slice(0, c))),
-    (k[:, c:], v[:, c:], _take(kr, slice(c, None))),
-  )
-
-
-def _ring_forward(q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile):
-  B, L, H, D = q.shape
-  W = q_br.shape[2]
-  R, c = 1 + W, L // 2
-  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
-  q1, q2 = qa[:, : c * R], qa[:, c * R :]
-  r1, r2 = _take(qrows, slice(0, c * R)), _take(qrows, slice(c * R, None))
-  blk = functools.partial(bw.blk, tile_q=tile, tile_k=tile)
-  kv = (k, v, bw.Rows(pos, seg))
-  rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
-
-  # step 0, local causal: (1,1), (2,1), (2,2); (1,2) is entirely in the future
-  h1, h2 = _halves(kv, c)
-  acc1 = blk(q1, h1[0], h1[1], r1, h1[2])
-  acc2 = bw.merge(*blk(q2, h1[0], h1[1], r2, h1[2]), *blk(q2, h2[0], h2[1], r2, h2[2]))
-  acc = (jnp.concatenate([acc1[0], acc2[0]], axis=1), jnp.concatenate([acc1[1], acc2[1]], axis=2))
-  perm = [(j, (j + 1) % cp) for j in range(cp)]
-  n1 = c * R
-
-  def ring_step(carry, i):
-    """Receive the previous rank's K/V (source = rank - i) and compute two sub-blocks.
-
-    The chunk choices are dynamic slices (not selects), so the float32 accumulators are updated
-    in place and no chunk-sized copies are made."""
-    kv, (out_acc, lse_acc) = carry
-    kv = jax.lax.ppermute(kv, axis_name, perm)
-    k_, v_, kr = kv
-    early = (rank - i) % cp < rank  # the source rank precedes this one
-    off_q = jnp.where(early, 0, n1)  # local chunk that meets incoming chunk 1
-    off_k = jnp.where(early, 0, c)  # incoming chunk that local chunk 2 meets (besides chunk 1)
-    p1 = blk(
-      _dyn(qa, off_q, n1), k_[:, :c], v_[:, :c], _dyn_rows(qrows, off_q, n1), _take(kr, slice(0, c))
-    )
-    p2 = blk(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c))
-    m = bw.merge(_dyn(out_acc, off_q, n1), _dyn(lse_acc, off_q, n1, axis=2), *p1)
-    out_acc = jax.lax.dynamic_update_slice_in_dim(out_acc, m[0], off_q, axis=1)
-    lse_acc = jax.lax.dynamic_update_slice_in_dim(lse_acc, m[1], off_q, axis=2)
-    m = bw.merge(out_acc[:, n1:], lse_acc[:, :, n1:], *p2)
-    return (kv, (out_acc.at[:, n1:].set(m[0]), lse_acc.at[:, :, n1:].set(m[1]))), None
-
-  if cp > 1:  # a scan, not an unrolled loop, so every step reuses the same buffers
-    (_, acc), _ = jax.lax.scan(ring_step, (kv, acc), jnp.arange(1, cp))
-  out = acc[0].reshape(B, L, R, H, D)
-  lse = acc[1].reshape(B, H, L, R)
-  if W:
-    o_bl, l_bl = bw.branch_local(q_br, k_br, v_br, seg, branch)
-    # merge expects [B,T,H,D] / [B,H,T]: flatten (L, W) into T
-    o_br, l_br = bw.merge(
-      out[:, :, 1:].reshape(B, L * W, H, D),
-      lse[..., 1:].reshape(B, H, L * W),
-      o_bl.reshape(B, L * W, H, D),
-      l_bl.reshape(B, H, L * W),
-    )
-    out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
-    lse = jnp.concatenate([lse[..., :1], l_br.reshape(B, H, L, W)], axis=-1)
-  return out, lse
-
-
-def ring_attention_shard(
-  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile=512, custom_grad=True
-):
-  """Per-device zigzag ring trunk + local branch attention (call inside shard_map).
-
-  Local arrays in zigzag layout: q [B,L,H,D], k/v [B,L,K,D], q_br [B,L,W,H,D], k_br/v_br
-  [B,L,W,K,D], seg/pos [B,L] (global positions). Returns (out [B,L,H,D], out_br [B,L,W,H,D]) in
-  q's dtype; accumulation is float32 throughout. `custom_grad=False` differentiates through the
-  ring by autodiff (the reference for the custom backward).
-  """
-  if q.shape[1] % 2:
-    raise ValueError(f"local length {q.shape[1]} must be two equal zigzag chunks (S % 2cp == 0)")
-  f = _ring_vjp if custom_grad else _ring_plain
-  out_all = f(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile)
-  return out_all[:, :, 0].astype(q.dtype), out_all[:, :, 1:].astype(q_br.dtype)
-
-
-def _ring_plain(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
-  return _ring_forward(
-    q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name, cp=cp, tile=tile
-  )[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _ring_vjp(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
-  return _ring_plain(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile)
-
-
-def _ring_vjp_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile):
-  out, lse = _ring_forward(
-    q, k, v, q_br, k_br, v_br, seg, pos, branch=branch, axis_name=axis_name, cp=cp, tile=tile
-  )
-  return out, (q, k, v, q_br, k_br, v_br, seg, pos, out, lse)
-
-
-def _ring_vjp_bwd(branch, axis_name, cp, tile, res, dout):
-  q, k, v, q_br, k_br, v_br, seg, pos, out, lse = res
-  B, L, H, D = q.shape
-  W = q_br.shape[2]
-  R = 1 + W
-  dout = dout.astype(jnp.float32)
-  delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 3, 1)  # [B,H,L,R]
-  dq, dkv = _ring_trunk_bwd(
-    q, k, v, q_br, seg, pos, dout, lse, delta, branch=branch, axis_name=axis_name, cp=cp, tile=tile
-  )
-  dq_rows = dq.reshape(B, L, R, H, D)
-  dq, dq_br = dq_rows[:, :, 0], dq_rows[:, :, 1:]
-  if W:
-    g_bl = bw.branch_local_bwd(
-      q_br, k_br, v_br, seg, branch, dout[:, :, 1:], lse[..., 1:], delta[..., 1:]
-    )
-    dq_br = dq_br + g_bl[0]
-    dk_br, dv_br = g_bl[1], g_bl[2]
-  else:
-    dk_br, dv_br = jnp.zeros_like(k_br, jnp.float32), jnp.zeros_like(v_br, jnp.float32)
-  cast = lambda g, x: g.astype(x.dtype)
-  return (
-    cast(dq, q),
-    cast(dkv[0], k),
-    cast(dkv[1], v),
-    cast(dq_br, q_br),
-    cast(dk_br, k_br),
-    cast(dv_br, v_br),
-    None,
-    None,
-  )
-
-
-def _ring_trunk_bwd(q, k, v, q_br, seg, pos, dout, lse, delta, *, branch, axis_name, cp, tile):
-  """The second ring pass: dq of every local query row (trunk and branch) against the trunk
-  keys, and dK/dV of this rank's trunk keys (accumulated while they travel, then returned)."""
-  B, L, H, D = q.shape
-  W = q_br.shape[2]
-  R, c = 1 + W, L // 2
-  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
-  do_rows = dout.reshape(B, L * R, H, D)
-  lse_rows, delta_rows = lse.reshape(B, H, L * R), delta.reshape(B, H, L * R)
-  n1 = c * R
-  part = lambda x, s: x[:, s] if x.ndim != 3 else x[:, :, s]
-  s1, s2 = slice(0, n1), slice(n1, None)
-  q1, q2 = qa[:, s1], qa[:, s2]
-  r1, r2 = _take(qrows, s1), _take(qrows, s2)
-  g1 = (do_rows[:, s1], part(lse_rows, s1), part(delta_rows, s1))
-  g2 = (do_rows[:, s2], part(lse_rows, s2), part(delta_rows, s2))
-  bwd = functools.partial(bw.blk_bwd, tile_q=tile, tile_k=tile)
-  rank = jax.lax.axis_index(axis_name) if cp > 1 else 0
-  kv = (k, v, bw.Rows(pos, seg))
-  perm = [(j, (j + 1) % cp) for j in range(cp)]
-  cat = lambda a, b: jnp.concatenate([a, b], axis=1)
-
-  # step 0, local: (1,1), (2,1), (2,2)
-  h1, h2 = _halves(kv, c)
-  a = bwd(q1, *h1[:2], r1, h1[2], *g1)
-  b = bwd(q2, *h1[:2], r2, h1[2], *g2)
-  d = bwd(q2, *h2[:2], r2, h2[2], *g2)
-  dq1, dq2 = a[0], b[0] + d[0]
-  dkv = (cat(a[1] + b[1], d[1]), cat(a[2] + b[2], d[2]))
-
-  dq = jnp.concatenate([dq1, dq2], axis=1)
-  g_all = (do_rows, lse_rows, delta_rows)
-
-  def ring_step(carry, i):
-    """K/V of source rank - i arrive with their dK/dV accumulators; add this rank's share.
-    Chunk choices are dynamic slices so accumulators update in place."""
-    kv, (dk, dv), dq = carry
-    kv, (dk, dv) = jax.lax.ppermute((kv, (dk, dv)), axis_name, perm)
-    k_, v_, kr = kv
-    early = (rank - i) % cp < rank
-    off_q = jnp.where(early, 0, n1)
-    off_k = jnp.where(early, 0, c)
-    ga_ = (
-      _dyn(g_all[0], off_q, n1),
-      _dyn(g_all[1], off_q, n1, axis=2),
-      _dyn(g_all[2], off_q, n1, axis=2),
-    )
-    a = bwd(
-      _dyn(qa, off_q, n1),
-      k_[:, :c],
-      v_[:, :c],
-      _dyn_rows(qrows, off_q, n1),
-      _take(kr, slice(0, c)),
-      *ga_,
-    )
-    b = bwd(q2, _dyn(k_, off_k, c), _dyn(v_, off_k, c), r2, _dyn_rows(kr, off_k, c), *g2)
-    upd = lambda x, d, off, n: jax.lax.dynamic_update_slice_in_dim(x, _dyn(x, off, n) + d, off, 1)
-    dq = upd(dq, a[0], off_q, n1).at[:, n1:].add(b[0])
-    dk = upd(dk.at[:, :c].add(a[1]), b[1], off_k, c)
-    dv = upd(dv.at[:, :c].add(a[2]), b[2], off_k, c)
-    return (kv, (dk, dv), dq), None
-
-  if cp > 1:
-    (_, dkv, dq), _ = jax.lax.scan(ring_step, (kv, dkv, dq), jnp.arange(1, cp))
-    dkv = jax.lax.ppermute(dkv, axis_name, perm)  # the last hop returns them to the owner
-  return dq, dkv
-
-
-_ring_vjp.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
 def allgather_attention_shard(

@@ -1,10 +1,17 @@
-"""Context-parallel memory and work plan (experiments/bench_cp.py), compile-only.
+"""Context-parallel branch attention (experiments/bench_cp.py): memory against its floor, work
+balance measured from the running schedule, and speed, ring beside all-gather.
 
-Per-device memory of forward + backward trunk+branch attention from
-`compiled.memory_analysis()` (argument + output + temp bytes) for the zigzag ring, the all-gather
-baseline and the dense oracle (compiled up to `dense_max_tokens`; beyond it an analytic estimate of
-its score tensor, kept in its own field); plus per-rank attention work for zigzag vs contiguous
-sharding, by construction of the schedule (counted, not measured).
+1. Memory, compile-only (nothing is allocated): per-device `compiled.memory_analysis()`
+   (argument + output + temp bytes) of forward + backward trunk + branch attention with a random
+   output cotangent (an argument, so nothing folds away), for the ring, the all-gather baseline
+   and the dense oracle (compiled up to `dense_max_tokens`; beyond it the analytic size of its
+   float32 score tensor, in its own field). Beside each figure, the FLOOR computed from the
+   shapes (`FLOOR_FORMULA`) and the ratio to it.
+2. Work: the ring skips (query tile, key tile) pairs with nothing visible and counts the pairs it
+   computes; per-rank counts from that counter, zigzag vs contiguous layout, on a whole-row
+   causal document and on packed rows (many short documents and one long); max/mean per rank.
+3. Speed: forward + backward wall time at a size that runs here, ring (skipping), ring (every tile
+   pair), all-gather, timed interleaved; medians and ratios.
 """
 
 from __future__ import annotations
@@ -19,164 +26,223 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdraft.attention import reference, ring
-from specdraft.bench import provenance
+from specdraft.bench import cp_work, provenance
+
+FLOOR_FORMULA = (
+  "2*E*B*Sl*(H*D + 2*K*D + W*H*D + 2*W*K*D)   # inputs q, k, v, q_br, k_br, v_br and their grads"
+  " + 2*E*B*Sl*(1+W)*H*D                      # outputs out, out_br and their cotangents"
+  " + 4*B*Sl*(1+W)*H                          # one float32 log-sum-exp per query row and head;"
+  " E = bytes per input element, Sl = S/cp tokens per device"
+)
 
 
-def _abstract(shape, dtype, sharding):
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+def floor_bytes(*, B, Sl, H, K, D, W, itemsize) -> int:
+  """The least a device must hold for fwd+bwd (see FLOOR_FORMULA)."""
+  inputs = B * Sl * (H * D + 2 * K * D + W * H * D + 2 * W * K * D) * itemsize
+  outputs = B * Sl * (1 + W) * H * D * itemsize
+  return int(2 * inputs + 2 * outputs + 4 * B * Sl * (1 + W) * H)
 
 
-def compile_memory(
-  impl: str,
-  *,
-  S: int,
-  cp: int,
-  B: int,
-  H: int,
-  K: int,
-  D: int,
-  W: int,
-  branch: str,
-  dtype=jnp.bfloat16,
-  tile: int = 512,
-) -> dict:
-  """Compiles grad(sum(outputs)) and returns per-device bytes (no array is allocated)."""
-  devices = jax.devices()[:cp]
-  mesh = jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=devices)
-  spec = P(None, "cp")
-  sh = NamedSharding(mesh, spec)
-  shapes = [
-    (B, S, H, D),
-    (B, S, K, D),
-    (B, S, K, D),
-    (B, S, W, H, D),
-    (B, S, W, K, D),
-    (B, S, W, K, D),
-  ]
-  args = [_abstract(s, dtype, sh) for s in shapes]
-  ints = [_abstract((B, S), jnp.int32, sh)] * 2
+def _mesh(cp):
+  return jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
+
+
+def _fwd_bwd(impl: str, cp: int, branch: str, tile: int, skip: bool = True):
+  """(q, k, v, q_br, k_br, v_br, seg, pos, dout, dout_br) -> the six input gradients."""
   if impl == "dense":
 
     def fn(q, k, v, qb, kb, vb, seg, pos):
+      del pos  # natural order
       o, ob, _, _ = reference.branch_attention_dense(q, k, v, qb, kb, vb, seg, branch=branch)
-      return o, ob
+      return o.astype(q.dtype), ob.astype(qb.dtype)
   else:
-    body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
+    spec = P(None, "cp")  # every per-token array sharded on its sequence axis
+    kw = dict(branch=branch, axis_name="cp", cp=cp, tile=tile)
+    if impl == "ring":
+      body = lambda *a: ring.ring_attention_shard(*a, **kw, skip_empty=skip)
+    else:
+      body = lambda *a: ring.allgather_attention_shard(*a, **kw)
     fn = jax.shard_map(
-      lambda *a: body(*a, branch=branch, axis_name="cp", cp=cp, tile=tile),
-      mesh=mesh,
-      in_specs=(spec,) * 8,
-      out_specs=(spec, spec),
-      check_vma=False,
+      body, mesh=_mesh(cp), in_specs=(spec,) * 8, out_specs=(spec, spec), check_vma=False
     )
 
-  def loss(q, k, v, qb, kb, vb, seg, pos):
-    o, ob = fn(q, k, v, qb, kb, vb, seg, pos)
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ob.astype(jnp.float32))
+  def fwd_bwd(q, k, v, qb, kb, vb, seg, pos, do, dob):
+    _, vjp = jax.vjp(lambda *x: fn(*x, seg, pos), q, k, v, qb, kb, vb)
+    return vjp((do, dob))
 
+  return fwd_bwd
+
+
+def _shapes(B, S, H, K, D, W):
+  inputs = [(B, S, H, D), (B, S, K, D), (B, S, K, D), (B, S, W, H, D), (B, S, W, K, D)]
+  inputs.append((B, S, W, K, D))
+  return inputs, [(B, S, H, D), (B, S, W, H, D)]
+
+
+def compile_memory(impl, *, S, cp, B, H, K, D, W, branch, dtype=jnp.bfloat16, tile=512) -> dict:
+  """Compiles forward + backward with a cotangent argument; per-device bytes, no allocation."""
+  sh = NamedSharding(_mesh(cp), P(None, "cp"))
+  abstract = lambda s, d=dtype: jax.ShapeDtypeStruct(s, d, sharding=sh)
+  inputs, cots = _shapes(B, S, H, K, D, W)
+  args = [abstract(s) for s in inputs] + [abstract((B, S), jnp.int32)] * 2
+  args += [abstract(s) for s in cots]
+  row = {"impl": impl, "S": S, "cp": cp, "branch": branch, "W": W, "K": K}
   t0 = time.perf_counter()
   try:
-    compiled = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).lower(*args, *ints).compile()
+    compiled = jax.jit(_fwd_bwd(impl, cp, branch, tile)).lower(*args).compile()
   except Exception as e:  # noqa: BLE001 -- report what could not be planned
-    return {"impl": impl, "S": S, "cp": cp, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {**row, "error": f"{type(e).__name__}: {str(e)[:200]}"}
   m = compiled.memory_analysis()
-  total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-  total -= getattr(m, "alias_size_in_bytes", 0)
+  peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+  peak -= getattr(m, "alias_size_in_bytes", 0)
+  floor = floor_bytes(B=B, Sl=S // cp, H=H, K=K, D=D, W=W, itemsize=jnp.dtype(dtype).itemsize)
   return {
-    "impl": impl,
-    "S": S,
-    "cp": cp,
-    "branch": branch,
-    "W": W,
+    **row,
     "argument_bytes": int(m.argument_size_in_bytes),
     "output_bytes": int(m.output_size_in_bytes),
     "temp_bytes": int(m.temp_size_in_bytes),
-    "peak_bytes": int(total),
+    "peak_bytes": int(peak),
+    "floor_bytes": floor,
+    "peak_over_floor": peak / floor,
     "compile_seconds": time.perf_counter() - t0,
   }
 
 
-def dense_estimate(*, S, B, H, W, branch, **_) -> int:
+def dense_estimate(*, S, B, H, W, **_) -> int:
   """Analytic float32 score bytes of the dense oracle (it materialises every score)."""
   return int(4 * B * H * (S * S + S * W * (S + W)))
 
 
-WORK_BASIS = "by construction of the schedule (not measured)"
+# ----------------------------------------------------------------------------- work
 
 
-def rank_work(S: int, cp: int) -> dict:
-  """Per-rank attention work, zigzag vs contiguous sharding, BY CONSTRUCTION of the schedule
-  (counted from the index layout, not measured from a running ring): causal (query, key) pairs
-  per rank, and c x c sub-blocks the ring computes per rank (zigzag: 3 + 2(cp-1) on every rank,
-  see attention/ring.py; a contiguous ring that skips fully-masked steps computes r+1 blocks of
-  2c x 2c on rank r)."""
-  c = S // (2 * cp)
-  pairs = lambda idx: float(np.sum(idx + 1))
-  zig, cont = [], []
-  for r in range(cp):
-    zig.append(
-      pairs(
-        np.concatenate(
-          [np.arange(r * c, (r + 1) * c), np.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)]
-        )
-      )
+def measure_work(w) -> dict:
+  """Per-rank tile pairs from the ring's own counter: zigzag vs contiguous, whole-row document
+  and packed rows."""
+  S, cp = w.tokens, w.cp
+  rows = {"whole_row_document": [np.ones(S, np.int32)]}
+  rows["packed"] = [
+    cp_work.packed_segments(
+      S, seed=s, long_fraction=w.long_fraction, mean_short=w.mean_short, pad=w.pad
     )
-    cont.append(pairs(np.arange(r * 2 * c, (r + 1) * 2 * c)))
-  zig_blocks = [3 + 2 * (cp - 1)] * cp
-  cont_blocks = [4 * (r + 1) for r in range(cp)]
-  ratio = lambda x: max(x) / np.mean(x)
-  return {
-    "cp": cp,
-    "zigzag_pairs_max_over_mean": ratio(zig),
-    "contiguous_pairs_max_over_mean": ratio(cont),
-    "zigzag_blocks_max_over_mean": ratio(zig_blocks),
-    "contiguous_blocks_max_over_mean": ratio(cont_blocks),
+    for s in range(w.seeds)
+  ]
+  out = {"tokens": S, "cp": cp, "tile": w.tile, "W": w.W, "rows": {}}
+  for name, segs in rows.items():
+    per = {}
+    for layout in cp_work.LAYOUTS:
+      counts = [
+        cp_work.tile_pairs_per_rank(seg, cp=cp, layout=layout, W=w.W, tile=w.tile) for seg in segs
+      ]
+      total = cp_work.tile_pairs_per_rank(
+        segs[0], cp=cp, layout=layout, W=w.W, tile=w.tile, skip=False
+      )
+      per[layout] = {
+        "pairs_per_rank": [c.tolist() for c in counts],
+        "max_over_mean": [cp_work.balance(c) for c in counts],
+        "worst_max_over_mean": max(cp_work.balance(c) for c in counts),
+        "pairs_without_skipping_per_rank": total.tolist(),
+        "computed_fraction": float(np.mean([c.sum() / total.sum() for c in counts])),
+      }
+      print(
+        f"work {name:>18} {layout:>10}: max/mean {per[layout]['worst_max_over_mean']:.3f} "
+        f"computed {per[layout]['computed_fraction']:.3f} of all tile pairs",
+        flush=True,
+      )
+    out["rows"][name] = per
+  if rows["packed"]:
+    seg = rows["packed"][0]
+    out["packed_documents"] = int(len(np.unique(seg[seg > 0])))
+  return out
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def measure_speed(sp) -> dict:
+  """fwd+bwd wall time, ring (skip), ring (no skip), all-gather, interleaved repeats."""
+  S, cp, W = sp.tokens, sp.cp, sp.W
+  B, H, K, D = 1, sp.heads, sp.kv_heads, sp.head_dim
+  inputs, cots = _shapes(B, S, H, K, D, W)
+  keys = jax.random.split(jax.random.key(0), len(inputs) + len(cots))
+  sh = NamedSharding(_mesh(cp), P(None, "cp"))
+  rnd = lambda k, s: jax.device_put(jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16), sh)
+  xs = [rnd(k, s) for k, s in zip(keys, inputs)]
+  seg = cp_work.packed_segments(
+    S, seed=0, long_fraction=sp.long_fraction, mean_short=sp.mean_short, pad=sp.pad
+  )
+  seg = jax.device_put(cp_work.layout_rows(jnp.asarray(seg)[None], cp, "zigzag"), sh)
+  pos = jax.device_put(cp_work.layout_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, "zigzag"), sh)
+  args = [*xs, seg, pos, *(rnd(k, s) for k, s in zip(keys[len(inputs) :], cots))]
+  variants = {
+    "ring": _fwd_bwd("ring", cp, sp.branch, sp.tile),
+    "ring_no_skip": _fwd_bwd("ring", cp, sp.branch, sp.tile, skip=False),
+    "allgather": _fwd_bwd("allgather", cp, sp.branch, sp.tile),
   }
+  fns = {n: jax.jit(f) for n, f in variants.items()}
+  for f in fns.values():
+    jax.block_until_ready(f(*args))  # compile and warm up
+  times = {n: [] for n in fns}
+  for _ in range(sp.repeats):
+    for n, f in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      times[n].append(time.perf_counter() - t0)
+  med = {n: float(np.median(t)) for n, t in times.items()}
+  print("speed (s, median): " + ", ".join(f"{n} {t:.2f}" for n, t in med.items()), flush=True)
+  return {
+    "dims": dict(S=S, cp=cp, H=H, K=K, D=D, W=W, branch=sp.branch, tile=sp.tile),
+    "seconds": times,
+    "median_seconds": med,
+    "ring_over_allgather": med["ring"] / med["allgather"],
+    "skip_speedup": med["ring_no_skip"] / med["ring"],
+  }
+
+
+# ----------------------------------------------------------------------------- run
 
 
 def run(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   os.makedirs(workdir, exist_ok=True)
   b = config.bench_cp
-  dims = dict(B=b.batch, H=b.heads, K=b.kv_heads, D=b.head_dim)
   rows, estimates = [], []
-  for branch, W in (("ttt", b.ttt_width), ("block", b.block_width)):
+  for case in b.cases:
+    case = dict(case)
+    branch, W, K = case["branch"], case["W"], case["kv_heads"]
+    dims = dict(B=b.batch, H=b.heads, K=K, D=b.head_dim)
     for cp in b.cps:
       S = b.tokens_per_rank * cp
       for impl in b.impls:
         if impl == "dense" and S > b.dense_max_tokens:
-          # not compiled: the analytic size of the dense score tensor, kept apart from the
-          # compiled figures
-          est = dense_estimate(S=S, W=W, branch=branch, **dims)
+          est = dense_estimate(S=S, W=W, **dims)
           estimates.append(
-            {"impl": impl, "S": S, "cp": cp, "branch": branch, "W": W, "score_bytes": est}
-          )
-          print(
-            f"{branch:>5} W={W:<2} {impl:>9} cp={cp} S={S:>7}: {est / 2**30:10.2f} GiB"
-            " (analytic estimate, not compiled)",
-            flush=True,
+            {"impl": impl, "S": S, "cp": cp, "branch": branch, "W": W, "K": K, "score_bytes": est}
           )
           continue
         r = compile_memory(impl, S=S, cp=cp, W=W, branch=branch, tile=b.tile, **dims)
         rows.append(r)
-        print(
-          f"{branch:>5} W={W:<2} {impl:>9} cp={cp} S={S:>7}: "
-          f"{r.get('peak_bytes', float('nan')) / 2**30:10.2f} GiB"
-          f"{'  ' + r['error'] if 'error' in r else ''}",
-          flush=True,
-        )
+        note = r.get("error") or f"{r['peak_bytes'] / 2**30:8.2f} GiB ({r['peak_over_floor']:.2f}x)"
+        print(f"{branch:>5} W={W:<2} K={K:<2} {impl:>9} cp={cp}: {note}", flush=True)
   results = {
-    "dims": dict(dims, tokens_per_rank=b.tokens_per_rank, dense_max_tokens=b.dense_max_tokens),
+    "dims": dict(
+      B=b.batch,
+      H=b.heads,
+      D=b.head_dim,
+      tokens_per_rank=b.tokens_per_rank,
+      dense_max_tokens=b.dense_max_tokens,
+      tile=b.tile,
+      dtype="bfloat16",
+    ),
+    "cases": [dict(c) for c in b.cases],
+    "floor_formula": FLOOR_FORMULA,
     "memory": rows,
     "dense_estimates": {
       "basis": "analytic float32 score-tensor bytes of the dense oracle (not compiled)",
       "rows": estimates,
     },
-    "work": {
-      "basis": WORK_BASIS,
-      "tokens": b.work_tokens,
-      "rows": [rank_work(b.work_tokens, cp) for cp in b.cps if cp > 1],
-    },
+    "work": measure_work(b.work),
+    "speed": measure_speed(b.speed),
   }
   results["summary"] = summary(results)
   results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))
@@ -188,52 +254,59 @@ def run(config, workdir: str) -> dict:
   return results
 
 
-def _peak(results, branch, impl, cp):
-  for r in results["memory"]:
-    if (r.get("branch"), r["impl"], r["cp"]) == (branch, impl, cp) and "error" not in r:
-      return r["peak_bytes"]
-  return None
+def case_name(case) -> str:
+  return f"{case['branch']}_W{case['W']}_K{case['kv_heads']}"
+
+
+def _rows(results, case, impl):
+  return {
+    r["cp"]: r
+    for r in results["memory"]
+    if (r["branch"], r["W"], r["K"], r["impl"])
+    == (case["branch"], case["W"], case["kv_heads"], impl)
+    and "error" not in r
+  }
 
 
 def summary(results) -> dict:
-  """Ratios of compiled peak bytes per branch: the ring from the smallest cp > 1 to the largest
-  (flatness at fixed S/cp), all-gather over ring at the largest cp, dense over ring at the
-  largest cp where dense was compiled; the dense estimate over the ring at the largest cp
-  (labelled as an estimate); the per-rank work at the largest cp (by construction)."""
+  """Per case: ring peak / floor (max over cp), ring flatness (largest cp / smallest cp > 1),
+  all-gather / ring at each cp and the least of them at cp >= 4; work balance; speed."""
   out = {}
-  cps = sorted({r["cp"] for r in results["memory"]})
-  ring_cps = [cp for cp in cps if cp > 1]
-  for branch in ("ttt", "block"):
-    s = {}
-    ring = lambda cp: _peak(results, branch, "ring", cp)
-    if ring_cps and ring(ring_cps[0]) and ring(ring_cps[-1]):
-      s["ring_flatness"] = ring(ring_cps[-1]) / ring(ring_cps[0])
-      s["ring_flatness_cps"] = [ring_cps[0], ring_cps[-1]]
-    if ring(cps[0]) and ring(cps[-1]):
-      s["ring_over_cp1"] = ring(cps[-1]) / ring(cps[0])
-    ag = _peak(results, branch, "allgather", cps[-1])
-    if ag and ring(cps[-1]):
-      s["allgather_over_ring_at_max_cp"] = ag / ring(cps[-1])
-    dense_cps = [cp for cp in cps if _peak(results, branch, "dense", cp)]
-    if dense_cps and ring(dense_cps[-1]):
-      s["dense_over_ring_compiled"] = _peak(results, branch, "dense", dense_cps[-1]) / ring(
-        dense_cps[-1]
-      )
-      s["dense_over_ring_compiled_cp"] = dense_cps[-1]
-    est = [
-      e for e in results["dense_estimates"]["rows"] if e["branch"] == branch and e["cp"] == cps[-1]
-    ]
-    if est and ring(cps[-1]):
-      s["dense_estimate_over_ring_at_max_cp"] = est[0]["score_bytes"] / ring(cps[-1])
-    out[branch] = s
-  if results["work"]["rows"]:
-    w = results["work"]["rows"][-1]
-    out["work_by_construction"] = {
-      "basis": WORK_BASIS,
-      "cp": w["cp"],
-      "zigzag_blocks_max_over_mean": w["zigzag_blocks_max_over_mean"],
-      "contiguous_blocks_max_over_mean": w["contiguous_blocks_max_over_mean"],
+  for case in results["cases"]:
+    ring_rows, ag_rows = _rows(results, case, "ring"), _rows(results, case, "allgather")
+    cps = sorted(ring_rows)
+    s = {"ring_peak_over_floor_max": max(r["peak_over_floor"] for r in ring_rows.values())}
+    multi = [cp for cp in cps if cp > 1]
+    if len(multi) > 1:
+      s["ring_flatness"] = ring_rows[multi[-1]]["peak_bytes"] / ring_rows[multi[0]]["peak_bytes"]
+      s["ring_flatness_cps"] = [multi[0], multi[-1]]
+    s["allgather_over_ring"] = {
+      str(cp): ag_rows[cp]["peak_bytes"] / ring_rows[cp]["peak_bytes"]
+      for cp in cps
+      if cp in ag_rows
     }
+    big = [v for cp, v in s["allgather_over_ring"].items() if int(cp) >= 4]
+    if big:
+      s["allgather_over_ring_min_cp_ge_4"] = min(big)
+    if ag_rows:
+      s["allgather_peak_over_floor_max"] = max(r["peak_over_floor"] for r in ag_rows.values())
+      agc = sorted(ag_rows)
+      s["allgather_growth"] = ag_rows[agc[-1]]["peak_bytes"] / ag_rows[agc[0]]["peak_bytes"]
+    out[case_name(case)] = s
+  w = results["work"]["rows"]
+  out["work"] = {
+    f"{name}_{layout}_max_over_mean": w[name][layout]["worst_max_over_mean"]
+    for name in w
+    for layout in w[name]
+  }
+  out["work"].update(
+    {
+      f"{name}_{layout}_computed_fraction": w[name][layout]["computed_fraction"]
+      for name in w
+      for layout in w[name]
+    }
+  )
+  out["speed"] = {k: results["speed"][k] for k in ("ring_over_allgather", "skip_speedup")}
   return out
 
 
@@ -242,38 +315,36 @@ def _gib(n):
 
 
 def table(results) -> str:
-  """Compiled per-device GiB (fwd+bwd) by branch/impl and cp; dense estimates in their own rows."""
-  cps = sorted(
-    {r["cp"] for r in results["memory"]} | {e["cp"] for e in results["dense_estimates"]["rows"]}
-  )
+  """GiB per device (and x floor) by case, impl and cp; dense estimates in their own rows."""
+  cps = sorted({r["cp"] for r in results["memory"]})
   S = {cp: results["dims"]["tokens_per_rank"] * cp for cp in cps}
   lines = [
-    "| branch | impl | " + " | ".join(f"cp={cp} (S={S[cp]})" for cp in cps) + " |",
+    "| case | impl | " + " | ".join(f"cp={cp} (S={S[cp]})" for cp in cps) + " |",
     "|---|---|" + "---|" * len(cps),
   ]
-  keys = []
-  for r in results["memory"]:
-    if (r.get("branch"), r["impl"]) not in keys:
-      keys.append((r.get("branch"), r["impl"]))
-  for branch, impl in keys:
-    cells = []
-    for cp in cps:
-      r = next(
-        (
-          x
-          for x in results["memory"]
-          if (x.get("branch"), x["impl"], x["cp"]) == (branch, impl, cp)
-        ),
-        None,
-      )
-      cells.append("-" if r is None or "peak_bytes" not in r else _gib(r["peak_bytes"]))
-    lines.append(f"| {branch} | {impl} compiled | " + " | ".join(cells) + " |")
-  for branch in ("ttt", "block"):
-    est = {e["cp"]: e for e in results["dense_estimates"]["rows"] if e["branch"] == branch}
+  for case in results["cases"]:
+    for impl in ("ring", "allgather", "dense"):
+      rows = _rows(results, case, impl)
+      if not rows:
+        continue
+      cells = [
+        f"{_gib(rows[cp]['peak_bytes'])} ({rows[cp]['peak_over_floor']:.2f}x)"
+        if cp in rows
+        else "-"
+        for cp in cps
+      ]
+      lines.append(f"| {case_name(case)} | {impl}, compiled | " + " | ".join(cells) + " |")
+    est = {
+      e["cp"]: e
+      for e in results["dense_estimates"]["rows"]
+      if (e["branch"], e["W"], e["K"]) == (case["branch"], case["W"], case["kv_heads"])
+    }
     if est:
       cells = [_gib(est[cp]["score_bytes"]) if cp in est else "-" for cp in cps]
       lines.append(
-        f"| {branch} | dense analytic estimate (not compiled) | " + " | ".join(cells) + " |"
+        f"| {case_name(case)} | dense, analytic estimate (not compiled) | "
+        + " | ".join(cells)
+        + " |"
       )
   return "\n".join(lines)
 
@@ -284,32 +355,35 @@ def plot(results, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-  for ax, branch in zip(axes, ("ttt", "block")):
+  cases = results["cases"]
+  fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 3.8), squeeze=False)
+  for ax, case in zip(axes[0], cases):
     for impl in ("ring", "allgather", "dense"):
-      rs = [
-        r
-        for r in results["memory"]
-        if r.get("branch") == branch and r["impl"] == impl and "peak_bytes" in r
-      ]
-      if rs:
-        ax.plot([r["S"] for r in rs], [r["peak_bytes"] / 2**30 for r in rs], marker="o", label=impl)
-    est = [e for e in results["dense_estimates"]["rows"] if e["branch"] == branch]
-    if est:
-      ax.plot(
-        [e["S"] for e in est],
-        [e["score_bytes"] / 2**30 for e in est],
-        ls="--",
-        marker="x",
-        label="dense (analytic estimate)",
-      )
+      rows = _rows(results, case, impl)
+      if rows:
+        cps = sorted(rows)
+        ax.plot(
+          [rows[c]["S"] for c in cps],
+          [rows[c]["peak_bytes"] / 2**30 for c in cps],
+          marker="o",
+          label=impl,
+        )
+    ring_rows = _rows(results, case, "ring")
+    cps = sorted(ring_rows)
+    ax.plot(
+      [ring_rows[c]["S"] for c in cps],
+      [ring_rows[c]["floor_bytes"] / 2**30 for c in cps],
+      "k--",
+      lw=1,
+      label="floor",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length S (S/cp fixed)")
     ax.set_ylabel("GiB per device (fwd+bwd)")
-    ax.set_title(f"branch={branch}")
+    ax.set_title(case_name(case))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
