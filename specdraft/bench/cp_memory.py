@@ -22,8 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from specdraft.attention import reference, ring
 from specdraft.bench import cp_work, provenance
@@ -56,7 +55,7 @@ def _fwd_bwd(impl: str, cp: int, branch: str, tile: int, skip: bool = True):
       o, ob, _, _ = reference.branch_attention_dense(q, k, v, qb, kb, vb, seg, branch=branch)
       return o.astype(q.dtype), ob.astype(qb.dtype)
   else:
-    spec = P(None, "cp")  # every per-token array sharded on its sequence axis
+    spec = PartitionSpec(None, "cp")  # every per-token array sharded on its sequence axis
     kw = dict(branch=branch, axis_name="cp", cp=cp, tile=tile)
     if impl == "ring":
       body = lambda *a: ring.ring_attention_shard(*a, **kw, skip_empty=skip)
@@ -81,7 +80,7 @@ def _shapes(B, S, H, K, D, W):
 
 def compile_memory(impl, *, S, cp, B, H, K, D, W, branch, dtype=jnp.bfloat16, tile=512) -> dict:
   """Compiles forward + backward with a cotangent argument; per-device bytes, no allocation."""
-  sh = NamedSharding(_mesh(cp), P(None, "cp"))
+  sh = NamedSharding(_mesh(cp), PartitionSpec(None, "cp"))
   abstract = lambda s, d=dtype: jax.ShapeDtypeStruct(s, d, sharding=sh)
   inputs, cots = _shapes(B, S, H, K, D, W)
   args = [abstract(s) for s in inputs] + [abstract((B, S), jnp.int32)] * 2
@@ -165,7 +164,7 @@ def measure_speed(sp) -> dict:
   B, H, K, D = 1, sp.heads, sp.kv_heads, sp.head_dim
   inputs, cots = _shapes(B, S, H, K, D, W)
   keys = jax.random.split(jax.random.key(0), len(inputs) + len(cots))
-  sh = NamedSharding(_mesh(cp), P(None, "cp"))
+  sh = NamedSharding(_mesh(cp), PartitionSpec(None, "cp"))
   rnd = lambda k, s: jax.device_put(jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16), sh)
   xs = [rnd(k, s) for k, s in zip(keys, inputs)]
   seg = cp_work.packed_segments(

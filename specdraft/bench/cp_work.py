@@ -13,8 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec
 
 from specdraft.attention import ring
 from specdraft.parallel import zigzag
@@ -49,7 +48,7 @@ def layout_rows(x_BS, cp: int, layout: str):
 @functools.lru_cache(maxsize=None)
 def _program(cp: int, S: int, W: int, branch: str, tile: int, skip: bool):
   mesh = jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
-  spec = P(None, "cp")  # every per-token array sharded on its sequence axis
+  spec = PartitionSpec(None, "cp")  # every per-token array sharded on its sequence axis
 
   def body(q, k, v, qb, kb, vb, seg, pos):
     _, _, count = ring.ring_attention_shard(
@@ -70,7 +69,9 @@ def _program(cp: int, S: int, W: int, branch: str, tile: int, skip: bool):
     )
     return count[None]
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 8, out_specs=P("cp"), check_vma=False)
+  fn = jax.shard_map(
+    body, mesh=mesh, in_specs=(spec,) * 8, out_specs=PartitionSpec("cp"), check_vma=False
+  )
   return jax.jit(fn)
 
 

@@ -333,7 +333,7 @@ def ttt_loss_cp(
   """The TTT loss under context parallelism: every per-token array is padded and laid out in
   zigzag order once; each shard shifts with `zigzag.shift_local`, attends with the ring's
   per-shard function and contributes partial sums that are psum-ed over `cp_axis`."""
-  from jax.sharding import PartitionSpec as P
+  from jax.sharding import PartitionSpec
 
   from specdraft.attention import ring
   from specdraft.parallel import zigzag
@@ -367,12 +367,22 @@ def ttt_loss_cp(
       total=total,
     )
 
-  tok = P(None, cp_axis)  # [B, S, ...] arrays: sequence axis over cp
+  tok = PartitionSpec(None, cp_axis)  # [B, S, ...] arrays: sequence axis over cp
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(P(), P(), P(None, None, cp_axis), tok, tok, tok, tok, tok, tok),
-    out_specs=P(),
+    in_specs=(
+      PartitionSpec(),
+      PartitionSpec(),
+      PartitionSpec(None, None, cp_axis),
+      tok,
+      tok,
+      tok,
+      tok,
+      tok,
+      tok,
+    ),
+    out_specs=PartitionSpec(),
     check_vma=False,
   )
   return fn(

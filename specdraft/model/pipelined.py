@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from specdraft.model import policy as pol
 from specdraft.parallel import pipeline as pipe
@@ -77,7 +77,9 @@ def param_specs(theta, axis_name: str = "pp") -> Any:
   the rest (embedding, final norm, head) on every stage (their gradients are summed)."""
   return {
     k: (
-      jax.tree.map(lambda _: P(axis_name), v) if k == "layers" else jax.tree.map(lambda _: P(), v)
+      jax.tree.map(lambda _: PartitionSpec(axis_name), v)
+      if k == "layers"
+      else jax.tree.map(lambda _: PartitionSpec(), v)
     )
     for k, v in theta.items()
   }
@@ -194,8 +196,13 @@ def forward(
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(param_specs(theta, spec.axis_name), P(), P(), P()),
-    out_specs=P(spec.axis_name),
+    in_specs=(
+      param_specs(theta, spec.axis_name),
+      PartitionSpec(),
+      PartitionSpec(),
+      PartitionSpec(),
+    ),
+    out_specs=PartitionSpec(spec.axis_name),
     axis_names={spec.axis_name},
   )
   logits, layers, h, sent = fn(theta, split(tokens_BS), split(positions_BS), split(segment_ids_BS))
@@ -283,8 +290,16 @@ def loss(
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(specs, P(), P(), ref_specs, P(), P(), P()),
-    out_specs=P(),
+    in_specs=(
+      specs,
+      PartitionSpec(),
+      PartitionSpec(),
+      ref_specs,
+      PartitionSpec(),
+      PartitionSpec(),
+      PartitionSpec(),
+    ),
+    out_specs=PartitionSpec(),
     axis_names={ax},
   )
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))

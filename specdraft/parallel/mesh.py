@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from specdraft.parallel.layouts import AXES
 
@@ -97,7 +96,7 @@ def make_mesh(parallel_cfg, devices=None) -> jax.sharding.Mesh:
   )
 
 
-def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) -> P:
+def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) -> PartitionSpec:
   """PartitionSpec for a tuple of logical axis names under `rules`.
 
   With `shape`, a dimension is sharded only if its size divides the mesh axes' product; otherwise
@@ -123,7 +122,7 @@ def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) 
       )
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else axes)
-  return P(*spec)
+  return PartitionSpec(*spec)
 
 
 def tree_shardings(logical_tree, shapes_tree, rules, mesh):
