@@ -159,3 +159,20 @@ def test_every_results_file_carries_provenance_and_no_hand_note():
     assert r["dirty"] is False and len(r["commit"]) == 40, path
     for name, g in r["goals"].items():
       assert isinstance(g["met"], bool) and {"metric", "op", "target", "value"} <= set(g), name
+
+
+def test_a_commit_during_the_run_is_refused(tmp_path, monkeypatch):
+  repo = tmp_path / "repo"
+  (repo / "docs" / "results").mkdir(parents=True)
+  (repo / "a.txt").write_text("a")
+  _git(repo, "init", "-q")
+  _git(repo, "add", "a.txt")
+  _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+  monkeypatch.setattr(provenance, "repo_root", lambda: str(repo))
+  monkeypatch.setattr(provenance, "_STARTED", {})
+  results = str(repo / "docs" / "results" / "bench")
+  provenance.check_workdir(results)  # the run starts at the first commit
+  (repo / "a.txt").write_text("b")
+  _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "second")
+  with pytest.raises(RuntimeError, match="HEAD moved"):
+    provenance.write_results(results, {"x": 1})

@@ -87,17 +87,32 @@ def is_repo_results_dir(workdir: str) -> bool:
   return path == results or path.startswith(results + os.sep)
 
 
+# HEAD when each run's workdir was checked at its start: the commit a results file names must be
+# the one whose code ran, so a commit made during the run is refused at the end.
+_STARTED: dict[str, str | None] = {}
+
+
 def check_workdir(workdir: str, *, own_outputs_written: bool = False) -> None:
   """Refuses, before any work, to write repository results from an uncommitted tree.
 
   With `own_outputs_written` (the check at the end of a run) changes inside `workdir` itself,
-  the run's own outputs, are allowed; everything else must still equal HEAD."""
+  the run's own outputs, are allowed; everything else must still equal HEAD, and HEAD must be
+  the commit it was at the start of the run."""
   exclude = workdir if own_outputs_written else None
-  if is_repo_results_dir(workdir) and git_dirty(exclude=exclude):
+  if not is_repo_results_dir(workdir):
+    return
+  if git_dirty(exclude=exclude):
     raise RuntimeError(
       f"--workdir={workdir} is under docs/results, but the work tree has uncommitted changes "
       "(git status --porcelain is not empty). Commit first (results must name the commit that "
       "produced them), or write to a directory outside docs/results."
+    )
+  key, head = os.path.realpath(workdir), git_commit()
+  start = _STARTED.setdefault(key, head)
+  if own_outputs_written and start != head:
+    raise RuntimeError(
+      f"HEAD moved from {start} to {head} while the run wrote {workdir}: its results would "
+      "name a commit whose code did not run. Run it again from a tree nobody commits to."
     )
 
 
