@@ -141,70 +141,76 @@ def step(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def _case(c) -> str:
+  return f"{c['branch']}_W{c['W']}_K{c['kv_heads']}"
+
+
 def cp(r: dict) -> str:
-  d = r["dims"]
-  mem, est = r["memory"], r["dense_estimates"]["rows"]
+  d, mem, est = r["dims"], r["memory"], r["dense_estimates"]["rows"]
   cps = sorted({x["cp"] for x in mem} | {x["cp"] for x in est})
-  header = ["branch (W)", "impl"] + [f"cp={c} (S={d['tokens_per_rank'] * c})" for c in cps]
-  keys = []
-  for x in mem:
-    if (x["branch"], x["W"], x["impl"]) not in keys:
-      keys.append((x["branch"], x["W"], x["impl"]))
+  header = ["case", "impl"] + [f"cp={c} (S={d['tokens_per_rank'] * c})" for c in cps]
   rows = []
-  for branch, W, impl in keys:
-    cell = {x["cp"]: x for x in mem if (x["branch"], x["W"], x["impl"]) == (branch, W, impl)}
-    rows.append(
-      [f"{branch} ({W})", f"{impl}, compiled"]
-      + [_gib(cell[c]["peak_bytes"]) if "peak_bytes" in cell.get(c, {}) else "-" for c in cps]
-    )
-  for branch in dict.fromkeys(x["branch"] for x in est):
-    cell = {x["cp"]: x for x in est if x["branch"] == branch}
-    W = next(iter(cell.values()))["W"]
-    rows.append(
-      [f"{branch} ({W})", "dense, analytic estimate (not compiled)"]
-      + [_gib(cell[c]["score_bytes"]) if c in cell else "-" for c in cps]
-    )
-  s = r["summary"]
+  for case in r["cases"]:
+    key = (case["branch"], case["W"], case["kv_heads"])
+    for impl in ("ring", "allgather", "dense"):
+      cell = {x["cp"]: x for x in mem if (x["branch"], x["W"], x["K"], x["impl"]) == (*key, impl)}
+      if not cell:
+        continue
+      show = lambda x: f"{_gib(x['peak_bytes'])} ({_f(x['peak_over_floor'])}× floor)"
+      rows.append(
+        [_case(case), f"{impl}, compiled"]
+        + [show(cell[c]) if "peak_bytes" in cell.get(c, {}) else "-" for c in cps]
+      )
+    cell = {x["cp"]: x for x in est if (x["branch"], x["W"], x["K"]) == key}
+    if cell:
+      rows.append(
+        [_case(case), "dense, analytic estimate (not compiled)"]
+        + [_gib(cell[c]["score_bytes"]) if c in cell else "-" for c in cps]
+      )
   lines = [
-    "### Context parallelism: per-device memory (compile-only)",
+    "### Context parallelism: ring branch attention",
     "",
-    f"Forward + backward trunk + branch attention, H={d['H']}, K={d['K']}, D={d['D']}, bf16 "
-    f"inputs, S/cp = {d['tokens_per_rank']} tokens; GiB per device from "
-    "`compiled.memory_analysis()` (argument + output + temp). The dense oracle is compiled up to "
+    f"Per-device GiB of forward + backward trunk + branch attention (compile-only "
+    "`memory_analysis()`: argument + output + temp, random output cotangent), H="
+    f"{d['H']}, D={d['D']}, {d['dtype']} inputs, S/cp = {d['tokens_per_rank']} tokens; cases are "
+    "branch kind, branch width W and kv heads K (K = H is MHA). Beside each figure its ratio to "
+    "the floor computed from the shapes: `" + r["floor_formula"].split("#")[0].strip() + " + ...` "
+    "(the full formula is in the results file). The dense oracle is compiled up to "
     f"S = {d['dense_max_tokens']}; beyond that its row is the analytic size of its float32 score "
-    "tensor, not a compiled figure.",
+    "tensor.",
     "",
     _table(header, rows),
     "",
   ]
-  for branch in ("ttt", "block"):
-    b = s.get(branch, {})
-    parts = []
-    if "ring_flatness" in b:
-      lo, hi = b["ring_flatness_cps"]
-      parts.append(f"ring cp={hi} / cp={lo} {_f(b['ring_flatness'])}×")
-    if "ring_over_cp1" in b:
-      parts.append(f"ring cp={cps[-1]} / cp={cps[0]} {_f(b['ring_over_cp1'])}×")
-    if "allgather_over_ring_at_max_cp" in b:
-      parts.append(f"all-gather / ring at cp={cps[-1]} {_f(b['allgather_over_ring_at_max_cp'])}×")
-    if "dense_over_ring_compiled" in b:
-      parts.append(
-        f"dense / ring (both compiled, cp={b['dense_over_ring_compiled_cp']}) "
-        f"{b['dense_over_ring_compiled']:.0f}×"
+  w = r["work"]
+  wrows = []
+  for name, per in w["rows"].items():
+    for layout, x in per.items():
+      wrows.append(
+        [
+          name.replace("_", " "),
+          layout,
+          _f(x["worst_max_over_mean"]),
+          _f(x["computed_fraction"], 3),
+        ]
       )
-    if "dense_estimate_over_ring_at_max_cp" in b:
-      parts.append(
-        f"dense estimate / ring at cp={cps[-1]} {b['dense_estimate_over_ring_at_max_cp']:.0f}×"
-      )
-    if parts:
-      lines.append(f"- {branch}: " + "; ".join(parts) + ".")
-  w = s.get("work_by_construction")
-  if w:
-    lines.append(
-      f"- Per-rank attention work max/mean at cp={w['cp']}, {w['basis']}: zigzag "
-      f"{_f(w['zigzag_blocks_max_over_mean'])}, contiguous "
-      f"{_f(w['contiguous_blocks_max_over_mean'])} (c×c blocks per rank)."
-    )
+  lines += [
+    f"Per-rank work from the ring's own counter (tile pairs computed per rank; S = {w['tokens']}, "
+    f"cp = {w['cp']}, W = {w['W']}, tile {w['tile']}; packed rows: one long document among "
+    f"{w.get('packed_documents', '?')} documents, worst of the seeds):",
+    "",
+    _table(["rows", "layout", "max/mean per rank", "tile pairs computed (of all)"], wrows),
+    "",
+  ]
+  sp = r["speed"]
+  sd, med = sp["dims"], sp["median_seconds"]
+  lines.append(
+    f"Forward + backward time at S = {sd['S']} on cp = {sd['cp']} simulated devices (H={sd['H']}, "
+    f"K={sd['K']}, D={sd['D']}, W={sd['W']}, packed row, medians of interleaved repeats): ring "
+    f"{_f(med['ring'])} s, ring computing every tile pair {_f(med['ring_no_skip'])} s, all-gather "
+    f"{_f(med['allgather'])} s; ring / all-gather {_f(sp['ring_over_allgather'])}, skipping "
+    f"speedup {_f(sp['skip_speedup'])}×."
+  )
   return "\n".join(lines)
 
 
