@@ -42,7 +42,7 @@ def _run_step(clone: str, step: str, env: dict, log) -> tuple[float, bool, str]:
   return seconds, proc.returncode == 0, proc.stdout
 
 
-def ci_run(repo: str, steps, workdir: str, index: int, smoke_pytest: str = "") -> tuple[dict, str]:
+def ci_run(repo: str, steps, logs: str, index: int, smoke_pytest: str = "") -> tuple[dict, str]:
   """One clean clone, `.ci/run`'s steps timed one by one; returns (row, clone dir)."""
   clone = tempfile.mkdtemp(prefix=f"specdraft-ci{index}-")
   subprocess.run(["git", "clone", "-q", repo, clone], check=True)
@@ -55,7 +55,7 @@ def ci_run(repo: str, steps, workdir: str, index: int, smoke_pytest: str = "") -
     steps = [s if s not in ("test", "test-slow") else "smoke-test" for s in steps]
     steps = list(dict.fromkeys(steps))
   row: dict = {"clone": clone, "passed": True, "tests_passed": 0, "tests_failed": 0}
-  with open(os.path.join(workdir, f"ci_run_{index}.log"), "w") as log:
+  with open(os.path.join(logs, f"ci_run_{index}.log"), "w") as log:
     for step in steps:
       seconds, ok, out = _run_step(clone, step, env, log)
       row[f"{step.replace('-', '_')}_s"] = round(seconds, 1)
@@ -70,9 +70,9 @@ def ci_run(repo: str, steps, workdir: str, index: int, smoke_pytest: str = "") -
   return row, clone
 
 
-def time_make_run(clone: str, workdir: str) -> tuple[float, dict | None]:
+def time_make_run(clone: str, logs: str) -> tuple[float, dict | None]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  with open(os.path.join(workdir, "make_run.log"), "w") as log:
+  with open(os.path.join(logs, "make_run.log"), "w") as log:
     seconds, ok, _ = _run_step(clone, "run", env, log)
   path = os.path.join(clone, "runs", "default", "summary.json")
   summary = None
@@ -85,10 +85,13 @@ def time_make_run(clone: str, workdir: str) -> tuple[float, dict | None]:
 def run(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)
   repo = provenance.repo_root()
-  os.makedirs(workdir, exist_ok=True)
+  # The logs stay outside the work tree: results.json must be the run's first write there (a
+  # results file records `git status` as it was when it was written).
+  logs = tempfile.mkdtemp(prefix="specdraft-wall-times-logs-")
+  print(f"logs: {logs}", flush=True)
   rows, clones = [], []
   for i in range(config.runs):
-    row, clone = ci_run(repo, list(config.steps), workdir, i, config.smoke_pytest)
+    row, clone = ci_run(repo, list(config.steps), logs, i, config.smoke_pytest)
     rows.append(row)
     clones.append(clone)
     print(json.dumps(row), flush=True)
@@ -100,7 +103,7 @@ def run(config, workdir: str) -> dict:
     "max_total_s": max(r["total_s"] for r in rows),
   }
   if config.make_run:
-    payload["make_run_s"], payload["make_run_summary"] = time_make_run(clones[-1], workdir)
+    payload["make_run_s"], payload["make_run_summary"] = time_make_run(clones[-1], logs)
     print(f"make run: {payload['make_run_s']} s", flush=True)
   out = provenance.write_results(workdir, payload, goals=provenance.goals_from_config(config.goals))
   print(provenance.goals_table(out["goals"]), flush=True)
