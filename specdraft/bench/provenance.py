@@ -8,6 +8,8 @@ level of the JSON object:
   commit    `git rev-parse HEAD` at run time, and `dirty` (uncommitted changes present)
   date      UTC, ISO 8601
   versions  python, jax, jaxlib; `backend`, `devices`, `cpu_count`, `cpu` (processor model)
+  loadavg   the machine's 1/5/15-minute load averages when the file is written (other work on a
+            2-core machine slows wall-clock figures; ratios measured side by side less so)
   goals     the goals as fixed in the config *before* the run, each with its measured value and
             pass/fail (`evaluate_goals`)
 
@@ -145,6 +147,7 @@ def header(command: list[str] | None = None) -> dict[str, Any]:
     "devices": jax.device_count(),
     "cpu_count": os.cpu_count(),
     "cpu": _cpu_model(),
+    "loadavg": [round(x, 2) for x in os.getloadavg()],
   }
 
 
@@ -197,7 +200,7 @@ def write_results(
   `workdir` is under docs/results (changes inside `workdir`, the run's own outputs, excepted).
   """
   check_workdir(workdir, own_outputs_written=True)
-  clash = set(payload) & set((*HEADER_KEYS, "goals"))
+  clash = set(payload) & set((*HEADER_KEYS, "loadavg", "goals"))
   if clash:
     raise ValueError(f"results payload may not set provenance keys {sorted(clash)}")
   out = header(command)
