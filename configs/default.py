@@ -56,6 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         min_digits=1, max_digits=3, num_operands=2, formats="columns", reward_format=""
       ),
       countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
+      retrieval=dict(num_records=64, key_len=3, value_len=3, hops=1),
       jsonl=dict(path=""),
     )
   )
@@ -128,6 +129,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0)
   )
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
+  # Training steps (train/sequence.py): attention tiles (query rows and keys per tile) and the
+  # sequence chunk in which logits are formed (0 = the whole row at once).
+  c.compute = ml_collections.ConfigDict(dict(attn_tile=512, vocab_chunk=256))
   c.parallel = layout_config(arg.layout)
 
   if arg.smoke:

@@ -53,6 +53,7 @@ def validate(config, *, num_devices: int | None = None) -> None:
   _validate_decoding(config)
   _validate_draft(config)
   _validate_rl(config)
+  _validate_compute(config)
   _validate_layout(config, num_devices)
   if CharTokenizer().vocab_size < 4:
     raise AssertionError("tokenizer vocabulary is broken")
@@ -155,6 +156,14 @@ def _validate_rl(config) -> None:
     print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
 
 
+def _validate_compute(config) -> None:
+  cm = config.compute
+  if cm.attn_tile < 1:
+    _fail("compute.attn_tile", cm.attn_tile, "must be >= 1 (query rows and keys per tile)")
+  if cm.vocab_chunk < 0:
+    _fail("compute.vocab_chunk", cm.vocab_chunk, "must be >= 0 (tokens per chunk; 0 = whole row)")
+
+
 def _validate_layout(config, num_devices: int | None) -> None:
   """The mesh covers the devices, and every batch splits over the data-parallel axes."""
   p, rl = config.parallel, config.rl
@@ -168,14 +177,26 @@ def _validate_layout(config, num_devices: int | None) -> None:
       config.data.batch_size,
       f"must be divisible by data*fsdp={dp} (parallel.layout={p.name!r})",
     )
-  if (rl.prompts_per_step * rl.group_size) % dp:
+  # decoding rows (rollouts, distillation, evaluation) are sharded over data, fsdp and cp
+  rows = dp * int(p.mesh.get("cp", 1))
+  if (rl.prompts_per_step * rl.group_size) % rows:
     _fail(
       "rl.prompts_per_step",
       rl.prompts_per_step,
-      f"prompts_per_step * group_size must be divisible by data*fsdp={dp}",
+      f"prompts_per_step * group_size must be divisible by data*fsdp*cp={rows} (rollout rows)",
     )
-  if config.eval.batch_size % dp:
-    _fail("eval.batch_size", config.eval.batch_size, f"must be divisible by data*fsdp={dp}")
+  for field, value in (
+    ("eval.batch_size", config.eval.batch_size),
+    ("draft.batch_size", config.draft.batch_size),
+  ):
+    if value % rows:
+      _fail(field, value, f"must be divisible by data*fsdp*cp={rows} (decoding rows)")
+  cp, tp = int(p.mesh.get("cp", 1)), int(p.mesh.get("tensor", 1))
+  if config.data.seq_len < 2 * cp:
+    _fail("data.seq_len", config.data.seq_len, f"must be >= 2*cp={2 * cp} (two zigzag chunks)")
+  for field in ("n_heads", "n_kv_heads"):
+    if config.model[field] % tp:
+      _fail(f"model.{field}", config.model[field], f"must be divisible by tensor={tp}")
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
     _validate_pipeline(config, pp)

@@ -56,6 +56,14 @@ def test_invalid_configs_name_the_field(field, value, match):
     config_lib.validate(c)
 
 
+def test_heads_not_divisible_by_tensor_are_refused():
+  c = default_config.get_config("smoke,layout=tp2_dp4")  # the micro model has one kv head
+  with pytest.raises(ValueError, match=r"model.n_kv_heads=1 is invalid.*tensor=2"):
+    config_lib.validate(c)
+  c.model.n_kv_heads = 2
+  config_lib.validate(c)
+
+
 def test_unknown_layout_and_size():
   with pytest.raises(ValueError, match="parallel.layout='dp3'"):
     default_config.get_config("layout=dp3")

@@ -97,6 +97,28 @@ def _tile_f32(x, start, size):
   return _dyn(x, start, size).astype(_F32)
 
 
+def _varying_axes(*xs) -> tuple[str, ...]:
+  """Manual mesh axes any of xs varies over (inside a shard_map that checks them, e.g. a pipeline
+  stage); empty outside."""
+  axes = set()
+  for x in xs:
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    axes |= set(mat.varying) if mat is not None else set()
+  return tuple(sorted(axes))
+
+
+def _vary(tree, axes):
+  """Fresh state (zeros, counters) marked varying over `axes`, like the inputs it is updated from,
+  so loop carries and both branches of each `lax.cond` keep one type."""
+
+  def one(x):
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    missing = tuple(a for a in axes if mat is None or a not in mat.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree) if axes else tree
+
+
 def _when(pred, fn, operand):
   """fn(operand) if pred else operand (a `lax.cond`; see `_tile_f32`)."""
   return jax.lax.cond(pred, fn, lambda x: x, operand)
@@ -252,15 +274,17 @@ def _forward(
   """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs."""
   pl = _plan(q, k, q_br, branch, tile, skip)
   B, L, R, H, D = pl.B, pl.L, pl.R, pl.H, pl.D
+  axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos)
   state = (
     jnp.full((B, L, R, H), _MASKED, _F32),
     jnp.zeros((B, L, R, H), acc_dtype),
     jnp.zeros((B, L, R, H, D), acc_dtype),
   )
+  state, count = _vary((state, jnp.zeros((), jnp.int32)), axes)
   if pl.W:
     state = _attend_branch(pl, q_br, k_br, v_br, seg, state)
   attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg)
-  kv, count = (k, v, pos, seg), jnp.zeros((), jnp.int32)
+  kv = (k, v, pos, seg)
   if cp > 1:
     perm = [(j, (j + 1) % cp) for j in range(cp)]
 
@@ -296,7 +320,7 @@ def _put_pair(pl: _Plan, pair, t_BARKND, a0):
   return _put(pair[0], t[:, :, 0], a0), _put(pair[1], t[:, :, 1:], a0)
 
 
-def _delta_rows(pl: _Plan, dos, outs, seg_BL):
+def _delta_rows(pl: _Plan, dos, outs, seg_BL, axes):
   """delta = rowsum(dO * O) per row and head, [B, L, R, H] float32, tile by tile."""
 
   def body(i, delta):
@@ -308,7 +332,7 @@ def _delta_rows(pl: _Plan, dos, outs, seg_BL):
 
     return _when(_live(seg_BL, a0, pl.A), compute, delta)
 
-  return _for(pl.L // pl.A, body, jnp.zeros((pl.B, pl.L, pl.R, pl.H), _F32))
+  return _for(pl.L // pl.A, body, _vary(jnp.zeros((pl.B, pl.L, pl.R, pl.H), _F32), axes))
 
 
 def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
@@ -363,11 +387,11 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
 
 
 def _branch_bwd(
-  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD
+  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD, axes
 ):
   """Closed-form gradients of the rank-local branch block from the final lse."""
-  dk_br = jnp.zeros(k_BLWKD.shape, k_BLWKD.dtype)
-  dv_br = jnp.zeros(v_BLWKD.shape, v_BLWKD.dtype)
+  dk_br = _vary(jnp.zeros(k_BLWKD.shape, k_BLWKD.dtype), axes)
+  dv_br = _vary(jnp.zeros(v_BLWKD.shape, v_BLWKD.dtype), axes)
 
   def q_body(i, carry):
     a0 = i * pl.A
@@ -402,18 +426,20 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
   q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse = res
   do, do_br = cotangents
   pl = _plan(q, k, q_br, branch, tile, skip)
-  delta = _delta_rows(pl, (do, do_br), (out, out_br), seg)
+  axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br)
+  delta = _delta_rows(pl, (do, do_br), (out, out_br), seg, axes)
   # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
   # final casts read them in place)
-  dq, dq_br = jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)
+  dq, dq_br = _vary((jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)), axes)
   if pl.W:
-    dq_br, dk_br, dv_br = _branch_bwd(pl, q_br, k_br, v_br, seg, do_br, lse, delta, dq_br)
+    dq_br, dk_br, dv_br = _branch_bwd(pl, q_br, k_br, v_br, seg, do_br, lse, delta, dq_br, axes)
   else:
-    dk_br, dv_br = jnp.zeros_like(k_br), jnp.zeros_like(v_br)
+    dk_br, dv_br = _vary((jnp.zeros_like(k_br), jnp.zeros_like(v_br)), axes)
   attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), (do, do_br, lse, delta), pos, seg)
   kv = (k, v, pos, seg)
-  zeros = jnp.zeros(k.shape, _F32)
-  dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, jnp.zeros((), jnp.int32)), kv)
+  zeros = _vary(jnp.zeros(k.shape, _F32), axes)
+  count0 = _vary(jnp.zeros((), jnp.int32), axes)
+  dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, count0), kv)
   if cp > 1:
     perm = [(j, (j + 1) % cp) for j in range(cp)]
 
@@ -424,19 +450,19 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
       dqs, dk, dv, count = attend((dqs, dk, dv, count), kv)
       return (kv, dqs, dk, dv, count), None
 
-    init = (kv, dqs, dk, dv, jnp.zeros((), jnp.int32))
+    init = (kv, dqs, dk, dv, count0)
     (_, dqs, dk, dv, _), _ = jax.lax.scan(ring_step, init, None, length=cp - 1)
     dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)  # the last hop returns them home
-  return (
-    dqs[0].astype(q.dtype),
-    dk.astype(k.dtype),
-    dv.astype(v.dtype),
-    dqs[1].astype(q_br.dtype),
-    dk_br,
-    dv_br,
-    None,
-    None,
-  )
+  grads = (dqs[0], dk, dv, dqs[1], dk_br, dv_br)
+  return (*(_like(g, x) for g, x in zip(grads, (q, k, v, q_br, k_br, v_br))), None, None)
+
+
+def _like(ct, primal):
+  """A cotangent in its primal's dtype and manual-axis type: summed over the axes along which the
+  primal is invariant but the cotangent varies (a replicated input's gradient is the sum)."""
+  extra = tuple(a for a in _varying_axes(ct) if a not in _varying_axes(primal))
+  ct = jax.lax.psum(ct, extra) if extra else ct
+  return ct.astype(primal.dtype)
 
 
 # ----------------------------------------------------------------------------- public
@@ -549,3 +575,40 @@ def allgather_attention_shard(
     )
     out = jnp.concatenate([out[:, :, :1], o_br.reshape(B, L, W, H, D)], axis=2)
   return out[:, :, 0].astype(q.dtype), out[:, :, 1:].astype(q_br.dtype)
+
+
+# ----------------------------------------------------------------------------- trunk only
+
+
+def trunk_attention_shard(q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512):
+  """Packed causal attention of a trunk with no branch (W = 0): the policy's layers in training.
+
+  The same tiled online softmax and custom backward as `ring_attention_shard`; at cp = 1 (no
+  collective, callable outside shard_map) it is a flash-style attention over one device's row, so
+  no [B, S, S] mask or score tensor exists. q [B,L,H,D], k/v [B,L,K,D], seg/pos [B,L] (pos: any
+  order-preserving position within a segment, e.g. the RoPE positions). An odd L (cp = 1 only)
+  is padded by one invisible row. Returns out [B,L,H,D] in q's dtype."""
+  B, L, H, D = q.shape
+  K = k.shape[2]
+  odd = L % 2
+  if odd and cp > 1:
+    raise ValueError(f"local length {L} must be two equal zigzag chunks (S % 2cp == 0)")
+  if odd:
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, seg, pos = (pad(x) for x in (q, k, v, seg, pos))
+  n = L + odd
+  out, _ = ring_attention_shard(
+    q,
+    k,
+    v,
+    jnp.zeros((B, n, 0, H, D), q.dtype),
+    jnp.zeros((B, n, 0, K, D), k.dtype),
+    jnp.zeros((B, n, 0, K, D), v.dtype),
+    seg,
+    pos,
+    branch="ttt",
+    axis_name=axis_name,
+    cp=cp,
+    tile=tile,
+  )
+  return out[:, :L]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specdraft.attention import branch_attention, reference
+from specdraft.model import chunked
 from specdraft.model import policy as pol
 
 Params = dict[str, Any]
@@ -133,7 +134,7 @@ def _finish(dp, feat_BTE, o_BTHD, cfg: DraftConfig):
 
 def logits_of(dp, h_BTE, cfg: DraftConfig):
   z = pol.rms_norm(h_BTE, dp["final_norm"], cfg.norm_eps)
-  return jnp.einsum("bte,ev->btv", z, dp["head"].astype(z.dtype)).astype(jnp.float32)
+  return jnp.einsum("...e,ev->...v", z, dp["head"].astype(z.dtype)).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- training (TTT)
@@ -167,12 +168,6 @@ def ttt_targets(tokens_BS, segment_ids_BS, loss_mask_BS, steps: int):
   return jnp.stack(toks), jnp.stack(ws)
 
 
-def soft_cross_entropy(target_logits_BSV, logits_BSV):
-  """-sum p log q with p = softmax(target) (under stop_gradient), float32."""
-  p = jax.nn.softmax(jax.lax.stop_gradient(target_logits_BSV).astype(jnp.float32), axis=-1)
-  return -jnp.sum(p * jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1), axis=-1)
-
-
 def natural_shift(x, n: int, fill=0):
   """x[:, t + n] along axis 1 (natural token order), `fill` past the end."""
   if n == 0:
@@ -182,11 +177,11 @@ def natural_shift(x, n: int, fill=0):
   return jnp.concatenate([x[:, n:], pad], axis=1)[:, :S]
 
 
-def _ttt_logits(
+def _ttt_hidden(
   dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS, *, shift, attend
 ):
-  """Draft logits of every TTT step [K,B,S,V]; `shift(x, n, fill)` is x[t+n] in global order
-  (natural or zigzag), `attend(q0, k0, v0, q_br, k_br, v_br)` the trunk+branch attention."""
+  """Draft hidden states of every TTT step [K,B,S,E]; `shift(x, n, fill)` is x[t+n] in global
+  order (natural or zigzag), `attend(q0, k0, v0, q_br, k_br, v_br)` the trunk+branch attention."""
   seg = segment_ids_BS
 
   def in_doc(n):
@@ -200,7 +195,7 @@ def _ttt_logits(
   empty_kv = jnp.zeros((B, S, 0) + k0.shape[2:], k0.dtype)
   o0, _ = attend(q0, k0, v0, empty_q, empty_kv, empty_kv)
   h = _finish(dp, feat, o0, cfg)
-  all_logits = [logits_of(dp, h, cfg)]
+  hs = [h]
   qs, ks, vs = [], [], []
   for k in range(1, cfg.ttt_steps):
     q, kk, v = _qkv(dp, embed_table, h, tok(k), positions_BS + k, cfg)
@@ -209,16 +204,16 @@ def _ttt_logits(
     vs.append(v)
     _, o_br = attend(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2))
     h = _finish(dp, h, o_br[:, :, k - 1], cfg)
-    all_logits.append(logits_of(dp, h, cfg))
-  return jnp.stack(all_logits)
+    hs.append(h)
+  return jnp.stack(hs)
 
 
-def _ttt_loss_core(
+def ttt_loss_on_shard(
   dp,
   cfg,
   embed_table,
   taps_NBSE,
-  policy_logits_BSV,
+  policy_BSX,
   tokens_BS,
   positions_BS,
   segment_ids_BS,
@@ -227,22 +222,30 @@ def _ttt_loss_core(
   shift,
   attend,
   total,
+  policy_logits_of=lambda x: x,
+  vocab_chunk: int = 0,
 ):
-  """The TTT loss from global sums (`total` sums over the whole batch, across shards)."""
+  """The TTT loss from global sums (`total` sums over the whole batch, across shards).
+
+  `policy_BSX` is what the targets are computed from: the policy's logits (X = V) with the
+  identity `policy_logits_of`, or its final hidden state (X = E) with its LM head; either way
+  the soft cross-entropy runs in sequence chunks of `vocab_chunk` (0: the whole row)."""
   seg = segment_ids_BS
-  logits = _ttt_logits(
+  hs = _ttt_hidden(
     dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, seg, shift=shift, attend=attend
   )
-  pl = jax.lax.stop_gradient(policy_logits_BSV)
+  pf = jax.lax.stop_gradient(policy_BSX)
   mask = loss_mask_BS.astype(jnp.float32)
+  draft_logits_of = lambda h: logits_of(dp, h, cfg)
   loss, norm, metrics = 0.0, 0.0, {}
   for k in range(cfg.ttt_steps):
     w = jnp.where((shift(seg, 2 + k, 0) == seg) & (seg != 0), shift(mask, 2 + k, 0.0), 0.0)
-    target = shift(pl, 1 + k, 0.0)  # the policy's distribution at t+1+k
-    ce = soft_cross_entropy(target, logits[k])
+    target = shift(pf, 1 + k, 0.0)  # the policy's distribution at t+1+k
+    ce, agree = chunked.soft_cross_entropy(
+      target, policy_logits_of, hs[k], draft_logits_of, chunk=vocab_chunk
+    )
     n = jnp.maximum(total(w), 1.0)
-    agree = (jnp.argmax(logits[k], -1) == jnp.argmax(target, -1)) * w
-    metrics[f"ttt_acc_{k}"] = total(agree) / n
+    metrics[f"ttt_acc_{k}"] = total(agree * w) / n
     loss = loss + cfg.ttt_decay**k * total(ce * w) / n
     norm += cfg.ttt_decay**k
   metrics["draft_loss"] = loss / norm
@@ -263,7 +266,7 @@ def ttt_forward(
 ):
   """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
   attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
-  return _ttt_logits(
+  hs = _ttt_hidden(
     dp,
     cfg,
     embed_table,
@@ -274,6 +277,7 @@ def ttt_forward(
     shift=natural_shift,
     attend=attend,
   )
+  return logits_of(dp, hs, cfg)
 
 
 def ttt_loss(
@@ -313,7 +317,7 @@ def ttt_loss(
   attend = lambda *a: branch_attention(
     *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
   )
-  return _ttt_loss_core(*args, shift=natural_shift, attend=attend, total=jnp.sum)
+  return ttt_loss_on_shard(*args, shift=natural_shift, attend=attend, total=jnp.sum)
 
 
 def ttt_loss_cp(
@@ -352,7 +356,7 @@ def ttt_loss_cp(
       *a, seg, gpos, branch="ttt", axis_name=cp_axis, cp=cp
     )
     total = lambda x: jax.lax.psum(jnp.sum(x), cp_axis)
-    return _ttt_loss_core(
+    return ttt_loss_on_shard(
       dp,
       cfg,
       embed_table,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specdraft.attention import reference
+from specdraft.attention import reference, ring
 
 Params = dict[str, Any]
 
@@ -205,6 +205,21 @@ def _write_rows(cache_BCKD, new_BTKD, start_B):
 # ----------------------------------------------------------------------------- layer stacks
 
 
+def tiled_attention(*, tile: int = 512):
+  """Packed causal attention as tiles with an online softmax (the ring at cp = 1): memory
+  O(tile^2) per head instead of a [B, T, S] mask and score tensor.
+  Returns attend(q, k, v, positions, segment_ids)."""
+  return lambda q, k, v, pos, seg: ring.trunk_attention_shard(
+    q, k, v, seg.astype(jnp.int32), pos.astype(jnp.int32), tile=tile
+  )
+
+
+def dense_attention(q, k, v, positions_BT, segment_ids_BT):
+  """The float32 oracle: every score under an explicit [B, T, S] mask (tests only)."""
+  mask_BTS = reference.causal_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
+  return reference.masked_attention(q, k, v, mask_BTS)[0].astype(q.dtype)
+
+
 def slice_layers(layers: Params, start: int, stop: int) -> Params:
   return jax.tree.map(lambda a: a[start:stop], layers)
 
@@ -218,10 +233,17 @@ def run_layers(
   segment_ids_BT=None,
   cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
   tap_at: tuple[int, ...] = (),
+  attend=None,
 ):
   """Runs a contiguous stack of layers (leading axis of `layers`) with `lax.scan`.
 
-  Without a cache: packed causal attention by (positions, segment ids).
+  Without a cache: packed causal attention by (positions, segment ids), computed by
+  `attend(q, k, v, positions, segment_ids) -> out` (default `tiled_attention()`: flash-style
+  tiles, no [B, T, S] mask; a context-parallel step passes the per-shard ring;
+  `dense_attention` is the oracle). Positions and segment ids enter every layer as scanned
+  inputs, not as loop constants: differentiating a scan hoists whatever depends only on its
+  constants out of the loop, and the attention's per-tile masks would then be precomputed for
+  every tile pair at once (O(S^2) memory).
   With `cache = (k_LBCKD, v_LBCKD, lengths_B)`: the T new tokens are written at
   lengths..lengths+T-1 and attend to cache entries j <= lengths + i.
   `tap_at` are local layer indices whose outputs are returned. The scan is split at those layers
@@ -232,7 +254,10 @@ def run_layers(
   if any(not 0 <= t < n for t in tap_at):
     raise ValueError(f"tap_at {tap_at} out of range for a stack of {n} layers")
   if cache is None:
-    mask_BTS = reference.causal_mask(positions_BT, positions_BT, segment_ids_BT, segment_ids_BT)
+    if segment_ids_BT is None:
+      segment_ids_BT = jnp.ones(positions_BT.shape, jnp.int32)
+    if attend is None:
+      attend = tiled_attention()
   else:
     _, _, lengths = cache
     C = cache[0].shape[2]
@@ -242,15 +267,16 @@ def run_layers(
 
   def body(x, xs):
     if cache is None:
-      lp = xs
+      lp, pos, seg = xs
     else:
       lp, ck, cv = xs
     q, k, v = qkv(lp, x, positions_BT, cfg)
-    if cache is not None:
+    if cache is None:
+      o = attend(q, k, v, pos, seg)
+    else:
       ck = _write_rows(ck, k, cache[2])
       cv = _write_rows(cv, v, cache[2])
-      k, v = ck, cv
-    o, _ = reference.masked_attention(q, k, v, mask_BTS)
+      o, _ = reference.masked_attention(q, ck, cv, mask_BTS)
     x = attn_out_and_mlp(lp, x, o, cfg)
     return x, (None if cache is None else (ck, cv))
 
@@ -258,7 +284,11 @@ def run_layers(
   x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
   for stop in bounds:
     seg_layers = slice_layers(layers, start, stop)
-    xs = seg_layers if cache is None else (seg_layers, cache[0][start:stop], cache[1][start:stop])
+    if cache is None:
+      per_layer = lambda a: jnp.broadcast_to(a, (stop - start,) + a.shape)
+      xs = (seg_layers, per_layer(positions_BT), per_layer(segment_ids_BT))
+    else:
+      xs = (seg_layers, cache[0][start:stop], cache[1][start:stop])
     x, kv = jax.lax.scan(body, x, xs)
     if cache is not None:
       new_k.append(kv[0])
@@ -278,7 +308,7 @@ def embed(params: Params, tokens_BT, cfg: PolicyConfig):
 def head(params: Params, x_BTE, cfg: PolicyConfig):
   """Final norm and LM head; returns (normed hidden, float32 logits)."""
   h = rms_norm(x_BTE, params["final_norm"], cfg.norm_eps)
-  w = params["embed"].T if cfg.tie_embeddings else params["head"]
+  w = head_weight(params, cfg)
   return h, jnp.einsum("bte,ev->btv", h, w.astype(h.dtype)).astype(jnp.float32)
 
 
@@ -289,25 +319,28 @@ class Taps(NamedTuple):
   final: jax.Array  # [B,S,E]
 
 
-def forward(
+ATTENTIONS = ("tiled", "dense")
+
+
+def hidden(
   params: Params,
   cfg: PolicyConfig,
   tokens_BS,
-  positions_BS=None,
-  segment_ids_BS=None,
+  positions_BS,
+  segment_ids_BS,
   *,
-  stop_tap_gradient: bool = True,
+  attend=None,
+  attention: str = "tiled",
 ):
-  """Full-sequence forward over packed rows. Returns (logits_BSV float32, Taps).
+  """The policy trunk over packed rows: (final normed hidden h_BSE, tapped layers x_NBSE).
 
-  Taps are `stop_gradient`-ed before they leave the policy unless `stop_tap_gradient=False`
-  (only for the negative-control tests).
-  """
-  B, S = tokens_BS.shape
-  if positions_BS is None:
-    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  if segment_ids_BS is None:
-    segment_ids_BS = jnp.ones((B, S), jnp.int32)
+  `attend(q, k, v, positions, segment_ids)` overrides the attention (a context-parallel shard
+  passes the ring); otherwise `attention` is "tiled" (flash-style, the training path) or
+  "dense" (the oracle)."""
+  if attend is None:
+    if attention not in ATTENTIONS:
+      raise ValueError(f"attention={attention!r} is invalid; expected one of {ATTENTIONS}")
+    attend = tiled_attention() if attention == "tiled" else dense_attention
   x = embed(params, tokens_BS, cfg)
   x, taps, _ = run_layers(
     params["layers"],
@@ -316,12 +349,42 @@ def forward(
     positions_BT=positions_BS,
     segment_ids_BT=segment_ids_BS,
     tap_at=cfg.taps,
+    attend=attend,
   )
-  h, logits = head(params, x, cfg)
+  return rms_norm(x, params["final_norm"], cfg.norm_eps), taps
+
+
+def head_weight(params: Params, cfg: PolicyConfig):
+  """The LM head [E, V] (the embedding's transpose when tied)."""
+  return params["embed"].T if cfg.tie_embeddings else params["head"]
+
+
+def forward(
+  params: Params,
+  cfg: PolicyConfig,
+  tokens_BS,
+  positions_BS=None,
+  segment_ids_BS=None,
+  *,
+  stop_tap_gradient: bool = True,
+  attention: str = "tiled",
+):
+  """Full-sequence forward over packed rows. Returns (logits_BSV float32, Taps).
+
+  Taps are `stop_gradient`-ed before they leave the policy unless `stop_tap_gradient=False`
+  (only for the negative-control tests). `attention`: "tiled" (default) or "dense" (the oracle).
+  """
+  B, S = tokens_BS.shape
+  if positions_BS is None:
+    positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  if segment_ids_BS is None:
+    segment_ids_BS = jnp.ones((B, S), jnp.int32)
+  h, taps = hidden(params, cfg, tokens_BS, positions_BS, segment_ids_BS, attention=attention)
+  logits = jnp.einsum("bte,ev->btv", h, head_weight(params, cfg).astype(h.dtype))
   out = Taps(taps, h)
   if stop_tap_gradient:
     out = jax.lax.stop_gradient(out)
-  return logits, out
+  return logits.astype(jnp.float32), out
 
 
 def decode(params: Params, cfg: PolicyConfig, cache: KVCache, tokens_BT):

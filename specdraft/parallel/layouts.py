@@ -18,7 +18,9 @@ DEFAULT_RULES = (
   ("vocab", None),
   ("head_dim", None),
   ("layers", "pp"),  # pipeline stages own contiguous layer slices
-  ("length", None),
+  ("length", "cp"),  # training batches: the sequence axis of every per-token array
+  # decoding (rollouts, evaluation): rows are independent, so cp acts as a data axis there
+  ("rows", ("data", "fsdp", "cp")),
 )
 
 LAYOUTS = {

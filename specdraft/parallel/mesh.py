@@ -141,6 +141,16 @@ def batch_sharding(mesh, rules, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
+def rows_sharding(mesh, rules, ndim: int = 1) -> NamedSharding:
+  """Sharding of a [rows, ...] decoding array (prompts, lengths): rows by the 'rows' rule."""
+  return NamedSharding(mesh, logical_to_spec(("rows",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def shard_rows(tree, mesh, rules):
+  """device_put every [rows, ...] leaf with its rows sharded by the 'rows' rule."""
+  return jax.device_put(tree, jax.tree.map(lambda x: rows_sharding(mesh, rules, x.ndim), tree))
+
+
 def shard_batch(tree, mesh, rules):
   """device_put every [B, ...] leaf with its batch dimension sharded by the 'batch' rule."""
   return jax.device_put(tree, jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim), tree))

@@ -37,18 +37,25 @@ def group_advantages(rewards_N, group_size: int, *, mode: str = "grpo", eps: flo
   return adv.reshape(N)
 
 
-def aggregate(x_NS, mask_NS, mode: str, max_tokens: int | None = None):
+def _sum_rows(x_NS):
+  return jnp.sum(x_NS, axis=1)
+
+
+def aggregate(x_NS, mask_NS, mode: str, max_tokens: int | None = None, *, row_sum=_sum_rows):
   """token-mean (DAPO): over all tokens; sequence-mean-token-mean (GRPO): per sequence then over
-  sequences; sequence-mean-token-scale (Dr.GRPO): per-sequence sums over a constant budget."""
+  sequences; sequence-mean-token-scale (Dr.GRPO): per-sequence sums over a constant budget.
+
+  `row_sum(x_NS) -> [N]` sums each sequence; a context-parallel shard passes one that also sums
+  over the other shards of the row (every aggregate is built from per-row sums)."""
   mask = mask_NS.astype(jnp.float32)
   if mode == "token-mean":
-    return jnp.sum(x_NS * mask) / jnp.maximum(mask.sum(), 1.0)
+    return jnp.sum(row_sum(x_NS * mask)) / jnp.maximum(jnp.sum(row_sum(mask)), 1.0)
   if mode == "sequence-mean-token-mean":
-    per_seq = jnp.sum(x_NS * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    per_seq = row_sum(x_NS * mask) / jnp.maximum(row_sum(mask), 1.0)
     return per_seq.mean()
   if mode == "sequence-mean-token-scale":
     budget = max_tokens if max_tokens is not None else x_NS.shape[1]
-    return jnp.mean(jnp.sum(x_NS * mask, axis=1) / budget)
+    return jnp.mean(row_sum(x_NS * mask) / budget)
   raise ValueError(f"rl.aggregation={mode!r} is invalid; expected one of {AGGREGATIONS}")
 
 
@@ -75,28 +82,30 @@ def policy_loss(
   ref_logp_NS=None,
   beta: float = 0.0,
   kl_estimator: str = "k3",
+  row_sum=_sum_rows,
 ):
   """Clipped surrogate `max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`, aggregated, plus
   `beta * KL` when a reference is given. The log-ratio is clipped to +-20 for safety.
-  Returns (loss, metrics)."""
+  `row_sum`: see `aggregate`. Returns (loss, metrics)."""
   log_ratio = jnp.clip(logp_NS - old_logp_NS, -20.0, 20.0)
   ratio = jnp.exp(log_ratio)
   adv = adv_N[:, None]
   unclipped = -adv * ratio
   clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
   pg = jnp.maximum(unclipped, clipped)
-  loss = aggregate(pg, mask_NS, aggregation, max_tokens)
+  loss = aggregate(pg, mask_NS, aggregation, max_tokens, row_sum=row_sum)
   m = mask_NS.astype(jnp.float32)
-  n = jnp.maximum(m.sum(), 1.0)
+  total = lambda x: jnp.sum(row_sum(x))
+  n = jnp.maximum(total(m), 1.0)
   metrics = {
     "pg_loss": loss,
-    "clip_frac": jnp.sum((clipped > unclipped) * m) / n,
-    "ratio_mean": jnp.sum(ratio * m) / n,
+    "clip_frac": total((clipped > unclipped) * m) / n,
+    "ratio_mean": total(ratio * m) / n,
   }
   if ref_logp_NS is not None and beta > 0:
     kl = kl_penalty(logp_NS, ref_logp_NS, kl_estimator)
-    kl_mean = aggregate(kl, mask_NS, aggregation, max_tokens)
+    kl_mean = aggregate(kl, mask_NS, aggregation, max_tokens, row_sum=row_sum)
     loss = loss + beta * kl_mean
-    metrics["kl"] = jnp.sum(kl * m) / n
+    metrics["kl"] = total(kl * m) / n
   metrics["rl_loss"] = loss
   return loss, metrics

@@ -6,9 +6,10 @@ from specdraft.tasks.arithmetic import Arithmetic
 from specdraft.tasks.base import Example, Task
 from specdraft.tasks.countdown import Countdown
 from specdraft.tasks.jsonl import JsonlTask, load_jsonl
+from specdraft.tasks.retrieval import Retrieval
 from specdraft.tasks.tokenizer import CharTokenizer
 
-TASKS = ("arithmetic", "countdown", "jsonl")
+TASKS = ("arithmetic", "countdown", "retrieval", "jsonl")
 
 
 def make_task(task_cfg) -> Task:
@@ -18,6 +19,8 @@ def make_task(task_cfg) -> Task:
     return Arithmetic(**dict(task_cfg.arithmetic))
   if name == "countdown":
     return Countdown(**dict(task_cfg.countdown))
+  if name == "retrieval":
+    return Retrieval(**dict(task_cfg.retrieval))
   if name == "jsonl":
     if not task_cfg.jsonl.path:
       raise ValueError("task.jsonl.path must name a JSONL file when task.name='jsonl'")
@@ -32,6 +35,7 @@ __all__ = [
   "Countdown",
   "Example",
   "JsonlTask",
+  "Retrieval",
   "Task",
   "load_jsonl",
   "make_task",

@@ -37,6 +37,7 @@ from specdraft.tasks import CharTokenizer, Example, loader, make_task
 from specdraft.tasks import datasets as task_data
 from specdraft.train import checkpoint as ckpt_lib
 from specdraft.train import draft as draft_lib
+from specdraft.train import sequence
 from specdraft.train import state as state_lib
 from specdraft.train import step as step_lib
 from specdraft.train.evaluate import evaluate, prompt_len_for
@@ -60,7 +61,7 @@ class Context:
     self.dcfg = eagle3.DraftConfig.from_config(config.draft, self.pcfg)
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
-    self.batch_sh = mesh_lib.batch_sharding(self.mesh, self.rules)
+    self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
     # Pipeline layouts (pp > 1): training steps run the policy as a pipeline over 'pp' with the
     # draft on the last stage; rollouts and evaluation run the unpipelined decoder.
     self.pipeline = None
@@ -69,7 +70,16 @@ class Context:
 
       self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
     self.prompt_len = prompt_len_for(self.task)
+    # Training steps run on sequence shards over 'cp' (train/sequence.py); pipeline layouts train
+    # on natural-order rows (their stages do not run the trunk ring yet).
+    self.cp = 1 if self.pipeline is not None else sequence.cp_size(self.mesh)
+    self.compute = dict(vocab_chunk=config.compute.vocab_chunk, attn_tile=config.compute.attn_tile)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+
+  def training_batch(self, batch: dict) -> dict:
+    """A host batch laid out once (padded, zigzag order over cp) and placed on the mesh."""
+    keep = {k: v for k, v in batch.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
+    return sequence.shard(sequence.lay_out(keep, self.cp), self.mesh, self.rules)
 
   def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
     return ckpt_lib.Checkpointer(
@@ -91,7 +101,7 @@ class Context:
       batch_size=c.eval.batch_size,
       max_new_tokens=c.decode.max_new_tokens,
       prompt_len=self.prompt_len,
-      sharding=self.batch_sh,
+      sharding=self.rows_sh,
     )
     return res if samples else {"accuracy": res["accuracy"]}
 
@@ -181,8 +191,14 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
   state = state_lib.init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
   sh = state_lib.state_shardings(state)
   train_step = jax.jit(
-    functools.partial(step_lib.sft_step, cfg=ctx.pcfg, tx=tx, mesh=ctx.mesh, pipeline=ctx.pipeline),
-    in_shardings=(sh, ctx.batch_sh),
+    functools.partial(
+      step_lib.sft_step,
+      cfg=ctx.pcfg,
+      tx=tx,
+      mesh=ctx.mesh,
+      pipeline=ctx.pipeline,
+      **ctx.compute,
+    ),
     out_shardings=(sh, None),
     donate_argnums=0,
   )
@@ -191,7 +207,7 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     label="sft",
     steps=c.sft.steps,
     data=data,
-    step=lambda state, batch: train_step(state, jax.device_put(batch, ctx.batch_sh)),
+    step=lambda state, batch: train_step(state, ctx.training_batch(batch)),
     log_every=c.sft.log_every,
     metrics_log="sft_metrics.jsonl",
     postfix={"loss": "loss", "tok_acc": "token_accuracy"},
@@ -240,9 +256,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
     out_shardings=(replicated, None),
     donate_argnums=0,
   )
-  shard = lambda pb: mesh_lib.shard_batch(
-    (pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules
-  )
+  shard = lambda pb: mesh_lib.shard_rows((pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules)
   phase = Phase(
     name="draft",
     label="draft",
@@ -304,6 +318,8 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
       attn_impl=c.draft.attn_impl,
       mesh=ctx.mesh,
       pipeline=ctx.pipeline,
+      max_tokens=rl.max_new_tokens or c.decode.max_new_tokens,
+      **ctx.compute,
     ),
     donate_argnums=0,
   )
@@ -354,7 +370,8 @@ def _rl_iteration(ctx: Context, rollout_step, train_step, state, pb):
   prompts_BS = np.repeat(pb["prompts"], group, axis=0)
   lengths_B = np.repeat(pb["prompt_lengths"], group, axis=0)
   t0 = time.perf_counter()
-  inputs = jax.device_put((prompts_BS, lengths_B), state_lib.replicated(ctx.mesh))
+  # rows over (data, fsdp, cp): every device decodes its own rows
+  inputs = mesh_lib.shard_rows((prompts_BS, lengths_B), ctx.mesh, ctx.rules)
   gen, batch, key_data = jax.block_until_ready(rollout_step(state["params"], state["key"], *inputs))
   rollout_s = time.perf_counter() - t0
   texts = [ctx.tok.decode(row) for row in np.asarray(gen.tokens)]
@@ -364,7 +381,7 @@ def _rl_iteration(ctx: Context, rollout_step, train_step, state, pb):
   ]
   rewards = np.asarray([ctx.task.reward(e, t) for e, t in zip(examples, texts)], np.float32)
   advantages = grpo.group_advantages(jnp.asarray(rewards), group, mode=rl.advantage)
-  batch = mesh_lib.shard_batch(dict(batch, advantages=advantages), ctx.mesh, ctx.rules)
+  batch = ctx.training_batch(jax.device_get(dict(batch, advantages=advantages)))
   t1 = time.perf_counter()
   state, metrics = jax.block_until_ready(train_step(dict(state, key=key_data), batch))
   m = _rollout_metrics(ctx, gen, rewards, texts)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from specdraft.model import policy as pol
+from specdraft.train import sequence
 
 
 def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
@@ -56,9 +57,12 @@ def sft_objective(logits, batch):
   return loss, {"loss": loss, "token_accuracy": acc, "tokens": w.sum()}
 
 
-def sft_loss(params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None):
-  """Next-token cross-entropy; with `pipeline` (a PipelineSpec) the policy runs as a pipeline
-  over the mesh's 'pp' axis and the loss on the last stage."""
+def sft_loss(
+  params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None, vocab_chunk=0, attn_tile=512
+):
+  """Next-token cross-entropy on a batch laid out by `sequence.lay_out` (on sequence shards over
+  the mesh's 'cp' axis; `train/sequence.py`). With `pipeline` (a PipelineSpec) the policy runs as
+  a pipeline over the mesh's 'pp' axis and the loss on the last stage."""
   if pipeline is not None:
     from specdraft.model import pipelined
 
@@ -66,16 +70,30 @@ def sft_loss(params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None):
       logits, batch
     )
     return pipelined.loss(params, None, batch, on_last_stage, pcfg=cfg, mesh=mesh, spec=pipeline)
-  logits, _ = pol.forward(params, cfg, batch["tokens"], batch["positions"], batch["segment_ids"])
-  return sft_objective(logits, batch)
+  body = functools.partial(sequence.sft_body, pcfg=cfg, vocab_chunk=vocab_chunk)
+  return sequence.run(body, mesh, (params,), batch, tile=attn_tile)
 
 
 def sft_step(
-  state, batch, *, cfg: pol.PolicyConfig, tx: optax.GradientTransformation, mesh=None, pipeline=None
+  state,
+  batch,
+  *,
+  cfg: pol.PolicyConfig,
+  tx: optax.GradientTransformation,
+  mesh=None,
+  pipeline=None,
+  vocab_chunk=0,
+  attn_tile=512,
 ):
   """One pure SFT step on a state dict {step, params, opt_state}."""
   (_, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
-    state["params"], cfg, batch, mesh=mesh, pipeline=pipeline
+    state["params"],
+    cfg,
+    batch,
+    mesh=mesh,
+    pipeline=pipeline,
+    vocab_chunk=vocab_chunk,
+    attn_tile=attn_tile,
   )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -195,28 +213,35 @@ def cotrain_loss(
   attn_impl: str = "dense",
   mesh=None,
   pipeline=None,
+  max_tokens: int | None = None,
+  vocab_chunk: int = 0,
+  attn_tile: int = 512,
 ):
   """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
 
   `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
-  positions, segment_ids, loss_mask on completion tokens), behaviour `logprobs` and `advantages`.
+  positions, segment_ids, loss_mask on completion tokens, behaviour `logprobs`) laid out once by
+  `sequence.lay_out`, and per-row `advantages`. The loss runs on sequence shards over the mesh's
+  'cp' axis (`train/sequence.py`: the policy trunk through the ring, vocabulary in chunks of
+  `vocab_chunk` tokens, the draft's TTT branch attention on the same shards). `max_tokens` is the
+  budget of the sequence-mean-token-scale aggregation (default: the batch's length).
   With `pipeline` (a `model.pipelined.PipelineSpec`) the policy runs as a pipeline over the
   mesh's 'pp' axis, the taps reach the last stage through the TapChannel and the objective
-  (RL loss and the draft's loss) runs there.
+  (RL loss and the draft's loss, `attn_impl` branch attention) runs there.
   """
   theta, phi = trainable["policy"], trainable["draft"]
   use_ref = ref_params is not None and rl_cfg.beta > 0
-  objective = functools.partial(
-    cotrain_objective,
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=rl_cfg,
-    lam=lam,
-    train_draft=train_draft,
-    attn_impl=attn_impl,
-    mesh=None if pipeline is not None else mesh,
-  )
   if pipeline is not None:
+    objective = functools.partial(
+      cotrain_objective,
+      pcfg=pcfg,
+      dcfg=dcfg,
+      rl_cfg=rl_cfg,
+      lam=lam,
+      train_draft=train_draft,
+      attn_impl=attn_impl,
+      mesh=None,
+    )
     return _pipelined_cotrain_loss(
       objective,
       theta,
@@ -229,25 +254,19 @@ def cotrain_loss(
       ref_theta=ref_params if use_ref else None,
       attn_impl=attn_impl,
     )
-  logits, taps = pol.forward(
-    theta,
-    pcfg,
-    batch["tokens"],
-    batch["positions"],
-    batch["segment_ids"],
+  body = functools.partial(
+    sequence.cotrain_body,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=rl_cfg,
+    lam=lam,
+    train_draft=train_draft,
     stop_tap_gradient=stop_tap_gradient,
+    max_tokens=max_tokens,
+    vocab_chunk=vocab_chunk,
   )
-  ref_logp = None
-  if use_ref:
-    ref_logits, _ = pol.forward(
-      jax.lax.stop_gradient(ref_params),
-      pcfg,
-      batch["tokens"],
-      batch["positions"],
-      batch["segment_ids"],
-    )
-    ref_logp = completion_logprobs(ref_logits, batch["tokens"])
-  return objective(theta, phi, logits, taps, batch, ref_logp)
+  ref = ref_params if use_ref else None
+  return sequence.run(body, mesh, (theta, phi, ref), batch, tile=attn_tile)
 
 
 def _pipelined_cotrain_loss(
@@ -294,11 +313,12 @@ def cotrain_step(
   attn_impl: str = "dense",
   mesh=None,
   pipeline=None,
+  max_tokens: int | None = None,
+  vocab_chunk: int = 0,
+  attn_tile: int = 512,
 ):
-  """One pure co-training step on {step, params: {policy, draft}, opt_state, ...}.
-
-  `attn_impl`/`mesh` select the draft's branch attention ("ring" or "allgather" over the mesh's
-  'cp' axis for long contexts); `pipeline` (a PipelineSpec) pipelines the policy over 'pp'."""
+  """One pure co-training step on {step, params: {policy, draft}, opt_state, ...} (arguments as
+  in `cotrain_loss`)."""
   (_, metrics), grads = jax.value_and_grad(cotrain_loss, has_aux=True)(
     state["params"],
     batch,
@@ -312,6 +332,9 @@ def cotrain_step(
     attn_impl=attn_impl,
     mesh=mesh,
     pipeline=pipeline,
+    max_tokens=max_tokens,
+    vocab_chunk=vocab_chunk,
+    attn_tile=attn_tile,
   )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])

@@ -1,0 +1,253 @@
+"""The training steps on sequence shards: one program for every context-parallel degree.
+
+Layout, once. A training batch is padded (segment 0, loss mask 0) to a multiple of 2·cp and put in
+zigzag order on the host, where the batch is built (`lay_out`): rank r of the 'cp' axis holds
+chunks r and 2cp-1-r of every row, so causal work is balanced. At cp = 1 the zigzag order is the
+natural order; the single-device step is the same program on one shard.
+
+The step, in place. With cp > 1 the whole loss runs inside one `shard_map` over 'cp' (partially
+manual: data, fsdp and tensor stay automatic), on the local chunks of every per-token array:
+
+- every policy layer's packed causal attention is the ring with no branch
+  (`ring.trunk_attention_shard`); at cp = 1 the same tiled attention runs without collectives;
+- position t is scored against the next token, `shift(tokens, 1)` (`zigzag.shift_local` brings
+  the head of the following chunk from the neighbouring rank), so log pi(x_{t+1} | x_<=t) lives
+  at t and the GRPO inputs (loss mask, behaviour log-probs) are shifted alike;
+- the vocabulary is touched in sequence chunks only (`model/chunked.py`): no [B, S, V] float32
+  array lives through the step;
+- the draft's TTT loss runs the ring's branch attention on the same shards, its soft targets
+  computed from the policy's (stop-gradient) final hidden state;
+- totals are psum-ed over 'cp'; the GRPO aggregations are built from per-row sums that are
+  psum-ed per row, so every aggregation mode equals the single-device value.
+
+Nothing inside the step changes the layout. Shape letters: B batch, S (local) sequence, E width,
+N taps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from specdraft.attention import ring
+from specdraft.model import chunked, eagle3
+from specdraft.model import policy as pol
+from specdraft.parallel import zigzag
+from specdraft.rl import grpo
+
+# Batch keys that have a sequence axis (axis 1); everything else (advantages) is per row.
+TOKEN_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "logprobs")
+
+
+def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
+  """The batch padded to a multiple of 2·cp·`multiple` tokens and put in zigzag order (host).
+
+  Padding is segment 0, loss mask 0, position 0. Per-row arrays pass through unchanged."""
+  S = np.shape(batch["tokens"])[1]
+  step = 2 * cp * multiple
+  S_pad = -(-S // step) * step
+  perm = zigzag.permutation(S_pad, cp)
+  out = dict(batch)
+  for key in TOKEN_KEYS:
+    if key in batch:
+      x = np.asarray(batch[key])
+      x = np.pad(x, [(0, 0), (0, S_pad - S)] + [(0, 0)] * (x.ndim - 2))
+      out[key] = x[:, perm]
+  return out
+
+
+def shard(batch: dict, mesh, rules):
+  """device_put a laid-out batch: rows by the 'batch' rule, per-token arrays' sequence axis by
+  the 'length' rule (the 'cp' axis)."""
+  from specdraft.parallel import mesh as mesh_lib
+
+  def sharding(key, x):
+    logical = ("batch", "length") if key in TOKEN_KEYS else ("batch",)
+    logical += (None,) * (np.ndim(x) - len(logical))
+    return jax.sharding.NamedSharding(mesh, mesh_lib.logical_to_spec(logical, rules, mesh))
+
+  return jax.device_put(batch, {k: sharding(k, x) for k, x in batch.items()})
+
+
+def cp_size(mesh, axis: str = "cp") -> int:
+  return int(mesh.shape[axis]) if mesh is not None and axis in mesh.shape else 1
+
+
+def check_laid_out(batch, cp: int) -> None:
+  """Raises (before compiling) when the batch's length cannot be a zigzag layout over cp."""
+  S = batch["tokens"].shape[1]
+  if S % (2 * cp):
+    raise ValueError(
+      f"batch length S={S} is not a multiple of 2*cp={2 * cp}: training batches must be laid out "
+      f"once with train.sequence.lay_out(batch, cp={cp}) (pads to {zigzag.padded_length(S, cp)} "
+      "and puts the rows in zigzag order)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+  """The per-token operations of one shard: global shifts, sums and the attentions.
+
+  cp = 1: natural order, plain sums, tiled attention without collectives."""
+
+  cp: int = 1
+  axis: str | None = None
+  tile: int = 512
+
+  def shift(self, x, n: int, fill=0):
+    """x[t + n] in the row's global order (`fill` past the row's end)."""
+    if self.cp == 1:
+      return eagle3.natural_shift(x, n, fill)
+    return zigzag.shift_local(x, n, axis_name=self.axis, cp=self.cp, fill=fill)
+
+  def _psum(self, x):
+    return x if self.cp == 1 else jax.lax.psum(x, self.axis)
+
+  def total(self, x):
+    return self._psum(jnp.sum(x))
+
+  def rows(self, x_BS):
+    """Per-row sums [B] over the whole row."""
+    return self._psum(jnp.sum(x_BS, axis=1))
+
+  def trunk(self):
+    """attend(q, k, v, positions, segment_ids): the policy layers' packed causal attention on
+    this shard."""
+    return lambda q, k, v, pos, seg: ring.trunk_attention_shard(
+      q, k, v, seg, pos, axis_name=self.axis, cp=self.cp, tile=self.tile
+    )
+
+  def branch(self, positions_BS, segment_ids_BS):
+    """attend(q0, k0, v0, q_br, k_br, v_br): the draft's TTT trunk + branch attention."""
+    return lambda *qkv: ring.ring_attention_shard(
+      *qkv,
+      segment_ids_BS,
+      positions_BS,
+      branch="ttt",
+      axis_name=self.axis,
+      cp=self.cp,
+      tile=self.tile,
+    )
+
+
+def run(body, mesh, params: tuple, batch: dict, *, cp_axis: str = "cp", tile: int = 512):
+  """body(shards, *params, batch) -> (loss, metrics): on one shard at cp = 1, else inside one
+  shard_map over `cp_axis` with every per-token array sharded on its sequence axis."""
+  cp = cp_size(mesh, cp_axis)
+  check_laid_out(batch, cp)
+  if cp == 1:
+    return body(Shards(tile=tile), *params, batch)
+  tok = PartitionSpec(None, cp_axis)
+  batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
+  fn = jax.shard_map(
+    functools.partial(body, Shards(cp, cp_axis, tile)),
+    mesh=mesh,
+    in_specs=(*(PartitionSpec() for _ in params), batch_specs),
+    out_specs=PartitionSpec(),
+    axis_names={cp_axis},
+    check_vma=False,
+  )
+  return fn(*params, batch)
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+def policy_hidden(theta, pcfg, batch, sh: Shards):
+  """(final normed hidden h_BSE, tapped layers x_NBSE) of this shard's rows."""
+  pos, seg = batch["positions"], batch["segment_ids"]
+  return pol.hidden(theta, pcfg, batch["tokens"], pos, seg, attend=sh.trunk())
+
+
+def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int):
+  """(log pi(next | prefix), entropy, next is the argmax) at every position, in vocab chunks."""
+  w = pol.head_weight(theta, pcfg)
+  return chunked.logprob_and_entropy(h_BSE, w, next_BS, chunk=vocab_chunk)
+
+
+def sft_body(sh: Shards, theta, batch, *, pcfg, vocab_chunk: int = 0):
+  """Next-token cross-entropy on loss tokens of the same document, on one shard."""
+  tok, seg = batch["tokens"], batch["segment_ids"]
+  h, _ = policy_hidden(theta, pcfg, batch, sh)
+  nxt = sh.shift(tok, 1, 0)
+  same = (sh.shift(seg, 1, 0) == seg) & (seg != 0)
+  w = jnp.where(same, sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0), 0.0)
+  lp, _, top1 = next_token_scores(theta, pcfg, h, nxt, vocab_chunk=vocab_chunk)
+  n_tokens = sh.total(w)
+  n = jnp.maximum(n_tokens, 1.0)
+  loss = -sh.total(lp * w) / n
+  return loss, {"loss": loss, "token_accuracy": sh.total(top1 * w) / n, "tokens": n_tokens}
+
+
+def cotrain_body(
+  sh: Shards,
+  theta,
+  phi,
+  ref_theta,
+  batch,
+  *,
+  pcfg,
+  dcfg,
+  rl_cfg,
+  lam: float,
+  train_draft: bool,
+  stop_tap_gradient: bool,
+  max_tokens: int | None,
+  vocab_chunk: int,
+):
+  """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward."""
+  tok, pos, seg = batch["tokens"], batch["positions"], batch["segment_ids"]
+  h, taps = policy_hidden(theta, pcfg, batch, sh)
+  if stop_tap_gradient:
+    taps = jax.lax.stop_gradient(taps)
+  nxt = sh.shift(tok, 1, 0)
+  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, vocab_chunk=vocab_chunk)
+  mask = sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
+  ref_lp = None
+  if ref_theta is not None:
+    ref_theta = jax.lax.stop_gradient(ref_theta)
+    h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
+    ref_lp, _, _ = next_token_scores(ref_theta, pcfg, h_ref, nxt, vocab_chunk=vocab_chunk)
+  rl_loss, metrics = grpo.policy_loss(
+    lp,
+    sh.shift(batch["logprobs"], 1, 0.0),
+    batch["advantages"],
+    mask,
+    eps_low=rl_cfg.eps_low,
+    eps_high=rl_cfg.eps_high,
+    aggregation=rl_cfg.aggregation,
+    max_tokens=max_tokens if max_tokens is not None else tok.shape[1] * sh.cp,
+    ref_logp_NS=ref_lp,
+    beta=rl_cfg.beta,
+    kl_estimator=rl_cfg.kl_estimator,
+    row_sum=sh.rows,
+  )
+  metrics["entropy"] = jax.lax.stop_gradient(sh.total(ent * mask) / jnp.maximum(sh.total(mask), 1))
+  total = rl_loss
+  if train_draft:
+    w = jax.lax.stop_gradient(pol.head_weight(theta, pcfg))
+    draft_loss, dm = eagle3.ttt_loss_on_shard(
+      phi,
+      dcfg,
+      theta["embed"],
+      taps,
+      h,
+      tok,
+      pos,
+      seg,
+      batch["loss_mask"],
+      shift=sh.shift,
+      attend=sh.branch(pos, seg),
+      total=sh.total,
+      policy_logits_of=lambda x: chunked.logits(x, w),
+      vocab_chunk=vocab_chunk,
+    )
+    metrics.update(dm)
+    total = total + lam * draft_loss
+  metrics["loss"] = total
+  return total, metrics

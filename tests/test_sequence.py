@@ -1,0 +1,250 @@
+"""The training steps on sequence shards (train/sequence.py) against their oracles.
+
+- at cp = 1 the step (tiled attention, vocabulary in chunks, shifted GRPO inputs) equals the dense
+  natural-order oracle (`policy.forward(attention="dense")` with full logits and
+  `step.cotrain_objective`) in loss, every metric and gradient, for every GRPO aggregation with
+  the KL term on;
+- under cp2, cp4, cp8 and cp4_dp2 the whole co-training step (loss, metrics, gradients, the Adam
+  update) equals the single-device step, with sequences that straddle ranks;
+- padding contributes exactly nothing; no buffer of the compiled step has S^2 elements, and none
+  has S*V when the vocabulary is chunked (each with a negative control).
+"""
+
+import re
+
+import _tolerance as tol
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default as default_config
+from specdraft.model import eagle3
+from specdraft.model import policy as pol
+from specdraft.parallel import mesh as mesh_lib
+from specdraft.train import sequence
+from specdraft.train import step as step_lib
+
+AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale")
+
+
+def _batch(B=4, S=24, V=99, seed=0):
+  """Rollout-like rows [prompt ; completion ; padding] of different lengths (natural order)."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, V, (B, S)).astype(np.int32)
+  lengths = np.array([S, S - 5, S - 9, S - 2])[:B]
+  seg = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
+  mask = (seg * (np.arange(S)[None] >= 6)).astype(np.float32)
+  return {
+    "tokens": tokens,
+    "positions": (np.arange(S)[None] * seg).astype(np.int32),
+    "segment_ids": seg,
+    "loss_mask": mask,
+    "logprobs": (np.log(rng.uniform(0.01, 0.2, (B, S))) * mask).astype(np.float32),
+    "advantages": np.asarray([1.0, -0.5, 0.3, -0.8][:B], np.float32),
+  }
+
+
+@pytest.fixture(scope="module")
+def setup():
+  c = default_config.get_config("smoke")
+  c.rl.beta = 0.1  # the KL term is on everywhere below
+  pcfg = pol.PolicyConfig.from_config(c.model, 99)
+  dcfg = eagle3.DraftConfig.from_config(c.draft, pcfg)
+  params = pol.init_params(pcfg, 0)
+  trainable = {"policy": params, "draft": eagle3.init_params(dcfg, 1, params, pcfg)}
+  ref = jax.tree.map(lambda x: x * 1.01, params)
+  return c, pcfg, dcfg, trainable, ref, _batch()
+
+
+def _rl(c, aggregation):
+  rl = c.rl.copy_and_resolve_references()
+  rl.aggregation = aggregation
+  return rl
+
+
+def _loss(c, pcfg, dcfg, ref, aggregation, mesh=None, vocab_chunk=8):
+  return lambda tr, b: step_lib.cotrain_loss(
+    tr,
+    b,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=_rl(c, aggregation),
+    lam=1.0,
+    ref_params=ref,
+    mesh=mesh,
+    max_tokens=24,
+    vocab_chunk=vocab_chunk,
+  )
+
+
+def _assert_metrics_close(got, want, rtol=1e-5, err=""):
+  assert set(got) == set(want), f"{err}: metric names differ: {set(got) ^ set(want)}"
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=1e-7, err_msg=f"{err} {k}")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_step_at_cp1_equals_the_dense_oracle(setup, aggregation):
+  c, pcfg, dcfg, tr, ref, batch = setup
+  nat = {k: jnp.asarray(v) for k, v in batch.items()}
+
+  def oracle(tr):
+    args = (nat["tokens"], nat["positions"], nat["segment_ids"])
+    logits, taps = pol.forward(tr["policy"], pcfg, *args, attention="dense")
+    ref_logits, _ = pol.forward(ref, pcfg, *args, attention="dense")
+    ref_logp = step_lib.completion_logprobs(ref_logits, nat["tokens"])
+    rl = _rl(c, aggregation)
+    return step_lib.cotrain_objective(
+      tr["policy"], tr["draft"], logits, taps, nat, ref_logp, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl,
+      lam=1.0,
+    )  # fmt: skip
+
+  assert batch["tokens"].shape[1] == 24  # the oracle's Dr.GRPO budget (its row length)
+  (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr)
+  step = _loss(c, pcfg, dcfg, ref, aggregation)
+  laid = sequence.lay_out(batch, 1)
+  (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(tr, laid)
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  _assert_metrics_close(m1, m0, err=aggregation)
+  tol.assert_grads_close(g1["policy"], g0["policy"], rtol=1e-5, err="policy ")
+  tol.assert_grads_close(g1["draft"], g0["draft"], rtol=1e-5, err="draft ")
+
+
+def _mesh(layout):
+  c = default_config.get_config(f"smoke,layout={layout}")
+  c.parallel.devices = int(np.prod(list(c.parallel.mesh.values())))
+  return mesh_lib.make_mesh(c.parallel), [tuple(r) for r in c.parallel.rules]
+
+
+def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
+  """(loss, metrics), gradients and one co-training step's new parameters, in one program."""
+  tx = step_lib.make_cotrain_optimizer(c.rl, c.draft)
+  state = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
+  loss = _loss(c, pcfg, dcfg, ref, aggregation, mesh=mesh)
+
+  def both(state, b):
+    value_grads = jax.value_and_grad(loss, has_aux=True)(state["params"], b)
+    new, _ = step_lib.cotrain_step(
+      state,
+      b,
+      pcfg=pcfg,
+      dcfg=dcfg,
+      rl_cfg=_rl(c, aggregation),
+      tx=tx,
+      lam=1.0,
+      ref_params=ref,
+      mesh=mesh,
+      max_tokens=24,
+      vocab_chunk=8,
+    )
+    return value_grads, new["params"]
+
+  return jax.device_get(jax.jit(both)(state, batch))
+
+
+# Each layout runs one aggregation (every mode appears under cp), all with the KL term on; rows of
+# 24 tokens (padded to 32 at cp = 8) in chunks of 2-6 tokens straddle ranks.
+CASES = [
+  ("cp2", "token-mean"),
+  ("cp4", "sequence-mean-token-mean"),
+  ("cp8", "sequence-mean-token-scale"),
+  ("cp4_dp2", "token-mean"),
+]
+
+
+@pytest.mark.parametrize("layout,aggregation", CASES)
+def test_whole_cotrain_step_under_cp_equals_single_device(setup, layout, aggregation):
+  c, pcfg, dcfg, tr, ref, batch = setup
+  mesh, rules = _mesh(layout)
+  cp = mesh.shape["cp"]
+  one = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, sequence.lay_out(batch, 1))
+  laid = sequence.shard(sequence.lay_out(batch, cp), mesh, rules)
+  assert laid["tokens"].sharding.spec[1] == "cp"  # the sequence axis is sharded over cp
+  got = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, laid, mesh=mesh)
+  ((l1, m1), g1), p1 = one
+  ((l2, m2), g2), p2 = got
+  np.testing.assert_allclose(l2, l1, rtol=1e-5)
+  _assert_metrics_close(m2, m1, err=layout)
+  tol.assert_grads_close(g2, g1, rtol=1e-5, err=f"{layout} ")
+  lr = max(c.rl.lr, c.draft.cotrain_lr)
+  tol.assert_adam_update_close(tr, p2, p1, g2, g1, lr=lr, err=f"{layout} ")
+
+
+def test_padding_contributes_exactly_nothing(setup):
+  """Garbage in the padding (tokens, positions, behaviour log-probs) changes no bit of the loss,
+  metrics or gradients; more padding changes them only by float32 reordering."""
+  c, pcfg, dcfg, tr, ref, batch = setup
+  mesh, _ = _mesh("cp2")
+  laid = sequence.lay_out(batch, 2)
+  pad = laid["segment_ids"] == 0
+  rng = np.random.default_rng(1)
+  noisy = dict(laid)
+  noisy["tokens"] = np.where(pad, rng.integers(3, 99, pad.shape), laid["tokens"]).astype(np.int32)
+  noisy["positions"] = np.where(pad, rng.integers(0, 50, pad.shape), laid["positions"]).astype(
+    np.int32
+  )
+  noisy["logprobs"] = np.where(pad, -3.0, laid["logprobs"]).astype(np.float32)
+  f = jax.jit(jax.value_and_grad(_loss(c, pcfg, dcfg, ref, "token-mean", mesh=mesh), has_aux=True))
+  a, b = jax.device_get(f(tr, laid)), jax.device_get(f(tr, noisy))
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  more = sequence.lay_out(batch, 2, multiple=5)  # 40 tokens instead of 24
+  assert more["tokens"].shape[1] > laid["tokens"].shape[1]
+  (l3, m3), g3 = jax.device_get(f(tr, more))
+  (l1, m1), g1 = a
+  np.testing.assert_allclose(l3, l1, rtol=1e-5)
+  _assert_metrics_close(m3, m1, err="more padding")
+  tol.assert_grads_close(g3, g1, rtol=1e-5)
+
+
+def _largest_buffers(hlo_text: str) -> int:
+  """The largest element count of any array shape in an HLO module's text."""
+  sizes = [
+    int(np.prod([int(d) for d in dims.split(",") if d]))
+    for dims in re.findall(r"\b(?:f32|bf16|f16|s32|pred|u32|s8|u8)\[([\d,]*)\]", hlo_text)
+  ]
+  return max(sizes)
+
+
+def test_no_quadratic_or_vocabulary_sized_buffer_in_the_step():
+  """At S = 2048 (one row) no array of the compiled co-training step (forward and backward) has
+  S^2 elements, and with the vocabulary chunked none has S*V; the dense oracle's forward has an
+  S^2 one and the unchunked step an S*V one (negative controls)."""
+  c = default_config.get_config("smoke")
+  S, V = 2048, 1000
+  pcfg = pol.PolicyConfig.from_config(c.model, V)
+  dcfg = eagle3.DraftConfig.from_config(c.draft, pcfg)
+  params = pol.init_params(pcfg, 0)
+  tr = {"policy": params, "draft": eagle3.init_params(dcfg, 1, params, pcfg)}
+  b = _batch(B=1, S=S, V=V)
+  b["segment_ids"][:] = 1  # one document over the whole row
+  b["positions"][:] = np.arange(S)
+
+  def compiled_text(vocab_chunk):
+    loss = lambda t, b: step_lib.cotrain_loss(
+      t, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, vocab_chunk=vocab_chunk, attn_tile=256
+    )[0]
+    return jax.jit(jax.grad(loss)).lower(tr, b).compile().as_text()
+
+  chunked = _largest_buffers(compiled_text(256))
+  assert chunked < S * S and chunked < S * V, chunked
+  assert _largest_buffers(compiled_text(0)) >= S * V  # negative control: whole-row logits
+  dense = jax.jit(
+    lambda p, t: pol.forward(p, pcfg, t, attention="dense")[0].sum()
+  )  # negative control: the dense oracle materialises S^2 scores
+  assert _largest_buffers(dense.lower(params, b["tokens"]).compile().as_text()) >= S * S
+
+
+def test_a_batch_not_laid_out_is_refused_before_compiling(setup):
+  c, pcfg, dcfg, tr, ref, batch = setup
+  mesh, _ = _mesh("cp4")
+  odd = {k: v[:, :21] if v.ndim == 2 else v for k, v in batch.items()}  # 21 % 8 != 0
+  with pytest.raises(ValueError, match=r"S=21 is not a multiple of 2\*cp=8.*lay_out"):
+    _loss(c, pcfg, dcfg, ref, "token-mean", mesh=mesh)(tr, odd)
+  laid = sequence.lay_out(odd, 4)
+  assert laid["tokens"].shape[1] == 24
+  # the layout is a permutation of the padded row: undoing it gives the row back
+  from specdraft.parallel import zigzag
+
+  back = np.asarray(zigzag.from_zigzag(jnp.asarray(laid["tokens"]), 4))[:, :21]
+  np.testing.assert_array_equal(back, odd["tokens"])
