@@ -16,9 +16,12 @@ from __future__ import annotations
 from configs import default
 from specdraft.config import parse_arg
 
+# Read by the entry points (without importing this file) to simulate the devices on CPU.
+DEFAULT_LAYOUT = "cp8"
+
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, layout="cp8", smoke=False, long=False, records=128, seed=0)
+  arg = parse_arg(arg, layout=DEFAULT_LAYOUT, smoke=False, long=False, records=128, seed=0)
   c = default.get_config(f"layout={arg.layout},seed={arg.seed}" + (",smoke" if arg.smoke else ""))
   records = 16 if arg.smoke else 1024 if arg.long else arg.records
   c.task.name = "retrieval"

@@ -70,13 +70,15 @@ def _overrides(argv: Sequence[str], prefix: str) -> dict[str, str]:
 def layout_devices(argv: Sequence[str]) -> tuple[int, str]:
   """(devices the run's mesh covers, a description) from the command line alone.
 
-  The layout is the config arg's `layout=NAME` (`single` when absent), with the axis sizes and
+  The layout is the config arg's `layout=NAME` (else the config file's `DEFAULT_LAYOUT`, else
+  `single`), with the axis sizes and
   `parallel.devices` of `--config.parallel.*` overrides applied. An unknown layout or a value that
   is not an integer counts as one device: the config's own validation reports it by name.
   """
   name = "single"
   for spec in _flag_values(argv, "config"):
-    _, _, arg = spec.partition(":")
+    path, _, arg = spec.partition(":")
+    name = _default_layout(path) or name
     for part in arg.split(","):
       key, _, val = part.partition("=")
       if key.strip() == "layout":
@@ -93,6 +95,32 @@ def layout_devices(argv: Sequence[str]) -> tuple[int, str]:
     return 1, f"layout {name!r}"
   shape = ", ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
   return max(math.prod(sizes.values()), want, 1), f"layout {name!r} ({shape})"
+
+
+def _default_layout(path: str) -> str | None:
+  """A config file's module-level `DEFAULT_LAYOUT = "name"` (read with `ast`, not imported: the
+  config imports JAX, which must not be imported yet)."""
+  import ast
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for candidate in (path, os.path.join(root, path)):
+    try:
+      with open(candidate) as f:
+        tree = ast.parse(f.read())
+      break
+    except (OSError, SyntaxError):
+      continue
+  else:
+    return None
+  for node in tree.body:
+    if (
+      isinstance(node, ast.Assign)
+      and any(isinstance(t, ast.Name) and t.id == "DEFAULT_LAYOUT" for t in node.targets)
+      and isinstance(node.value, ast.Constant)
+      and isinstance(node.value.value, str)
+    ):
+      return node.value.value
+  return None
 
 
 def blocked(environ: Mapping[str, str]) -> str | None:

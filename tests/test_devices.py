@@ -26,6 +26,8 @@ FLAG = "--xla_force_host_platform_device_count"
     (["--config=configs/default.py:layout=pp4", "--config.parallel.mesh.pp", "2"], 2),
     (["--config=configs/drift.py:smoke", "--config.parallel.mesh.cp=2"], 2),
     (["--config=configs/default.py", "--config.parallel.devices=4"], 4),
+    (["--config=configs/long.py:smoke"], 8),  # the config file's DEFAULT_LAYOUT (cp8)
+    (["--config=configs/long.py:layout=cp2"], 2),
     (["--config=configs/default.py:layout=nope"], 1),  # the config names the unknown layout
     (["--config=configs/default.py", "--config.parallel.mesh.data=two"], 1),
   ],

@@ -78,7 +78,7 @@ def test_run_outputs_inside_the_workdir_do_not_count_as_dirty(tmp_path, monkeypa
   (repo / "docs" / "results" / "bench" / "plot.png").write_text("a plot written by the run")
   (repo / "docs" / "results" / "bench" / "old.json").write_text('{"rewritten": 1}')
   out = provenance.write_results(results, {"x": 1})  # the run's own outputs: accepted
-  assert out["dirty"] is True  # the header still records what `git status` saw
+  assert out["dirty"] is False  # `dirty` means changes outside the run's own outputs
   (repo / "docs" / "results" / "other.json").write_text("{}")  # outside the workdir: refused
   with pytest.raises(RuntimeError, match="uncommitted"):
     provenance.write_results(results, {"x": 1})

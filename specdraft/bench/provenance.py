@@ -5,7 +5,8 @@ Every benchmark and experiment writes its results through `write_results`, which
 level of the JSON object:
 
   command   the exact command line (interpreter, script, flags)
-  commit    `git rev-parse HEAD` at run time, and `dirty` (uncommitted changes present)
+  commit    `git rev-parse HEAD` at run time, and `dirty` (uncommitted changes present outside the
+            run's own outputs in its workdir)
   date      UTC, ISO 8601
   versions  python, jax, jaxlib; `backend`, `devices`, `cpu_count`, `cpu` (processor model)
   loadavg   the machine's 1/5/15-minute load averages when the file is written (other work on a
@@ -129,8 +130,9 @@ def _cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
-def header(command: list[str] | None = None) -> dict[str, Any]:
-  """The provenance fields (see module docstring); jax is imported lazily."""
+def header(command: list[str] | None = None, *, workdir: str | None = None) -> dict[str, Any]:
+  """The provenance fields (see module docstring); jax is imported lazily. `dirty` ignores the
+  run's own outputs inside `workdir` (logs and checkpoints written before the results file)."""
   import jax
   import jaxlib
 
@@ -138,7 +140,7 @@ def header(command: list[str] | None = None) -> dict[str, Any]:
   return {
     "command": shlex.join(["python", *argv]),
     "commit": git_commit(),
-    "dirty": git_dirty(),
+    "dirty": git_dirty(exclude=workdir),
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     "python": platform.python_version(),
     "jax": jax.__version__,
@@ -203,7 +205,7 @@ def write_results(
   clash = set(payload) & set((*HEADER_KEYS, "loadavg", "goals"))
   if clash:
     raise ValueError(f"results payload may not set provenance keys {sorted(clash)}")
-  out = header(command)
+  out = header(command, workdir=workdir)
   out["goals"] = evaluate_goals(goals or {}, payload if measured is None else measured)
   out.update(payload)
   os.makedirs(workdir, exist_ok=True)
