@@ -49,6 +49,7 @@ def _batch(B=4, S=24, V=99, seed=0):
 def setup():
   c = default_config.get_config("smoke")
   c.rl.beta = 0.1  # the KL term is on everywhere below
+  c.model.n_kv_heads = 2  # so that kv heads split over tensor = 2
   pcfg = pol.PolicyConfig.from_config(c.model, 99)
   dcfg = eagle3.DraftConfig.from_config(c.draft, pcfg)
   params = pol.init_params(pcfg, 0)
@@ -150,18 +151,43 @@ CASES = [
   ("cp4", "sequence-mean-token-mean"),
   ("cp8", "sequence-mean-token-scale"),
   ("cp4_dp2", "token-mean"),
+  ("tp2_cp2_dp2", "sequence-mean-token-mean"),
 ]
 
 
+@pytest.fixture(scope="module")
+def single_device(setup):
+  """The single-device step, computed once per aggregation for every layout."""
+  c, pcfg, dcfg, tr, ref, batch = setup
+  cache = {}
+
+  def get(aggregation):
+    if aggregation not in cache:
+      laid = sequence.lay_out(batch, 1)
+      cache[aggregation] = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, laid)
+    return cache[aggregation]
+
+  return get
+
+
 @pytest.mark.parametrize("layout,aggregation", CASES)
-def test_whole_cotrain_step_under_cp_equals_single_device(setup, layout, aggregation):
+def test_whole_cotrain_step_under_cp_equals_single_device(
+  setup, single_device, layout, aggregation
+):
   c, pcfg, dcfg, tr, ref, batch = setup
   mesh, rules = _mesh(layout)
   cp = mesh.shape["cp"]
-  one = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, sequence.lay_out(batch, 1))
+  one = single_device(aggregation)
   laid = sequence.shard(sequence.lay_out(batch, cp), mesh, rules)
   assert laid["tokens"].sharding.spec[1] == "cp"  # the sequence axis is sharded over cp
-  got = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, laid, mesh=mesh)
+  # the policy's weights placed as the layout places them (heads over tensor, ...)
+  shardings = mesh_lib.tree_shardings(
+    pol.param_logical_axes(tr["policy"]), tr["policy"], rules, mesh
+  )
+  placed = dict(tr, policy=jax.device_put(tr["policy"], shardings))
+  if mesh.shape["tensor"] > 1:
+    assert placed["policy"]["layers"]["wq"].sharding.spec[2] == "tensor"
+  got = _step_and_grads(c, pcfg, dcfg, ref, aggregation, placed, laid, mesh=mesh)
   ((l1, m1), g1), p1 = one
   ((l2, m2), g2), p2 = got
   np.testing.assert_allclose(l2, l1, rtol=1e-5)

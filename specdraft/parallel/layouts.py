@@ -38,6 +38,7 @@ LAYOUTS = {
   "pp4": {"pp": 4},
   "pp4_dp2": {"pp": 4, "data": 2},
   "pp2_cp2_dp2": {"pp": 2, "cp": 2, "data": 2},
+  "tp2_cp2_dp2": {"tensor": 2, "cp": 2, "data": 2},
 }
 
 
