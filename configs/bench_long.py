@@ -37,6 +37,8 @@ def get_config(arg: str | None = None):
       dense=True,  # compile the dense step beside the ring step at every S
       vocab_chunk=1024,
       attn_tile=512,
+      remat=False,  # the compared step keeps every layer's activations
+      remat_rows=True,  # and, for information, the same step with each layer rematerialised
       # measured step time (for information): a small policy, cp = 1 against cp = 8
       timing=dict(
         model=dict(

@@ -129,9 +129,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0)
   )
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
-  # Training steps (train/sequence.py): attention tiles (query rows and keys per tile) and the
-  # sequence chunk in which logits are formed (0 = the whole row at once).
-  c.compute = ml_collections.ConfigDict(dict(attn_tile=512, vocab_chunk=256))
+  # Training steps (train/sequence.py): attention tiles (query rows and keys per tile), the
+  # sequence chunk in which logits are formed (0 = the whole row at once), and per-layer
+  # rematerialisation of the policy in the backward pass (saves only each layer's input).
+  c.compute = ml_collections.ConfigDict(dict(attn_tile=512, vocab_chunk=256, remat=False))
   c.parallel = layout_config(arg.layout)
 
   if arg.smoke:

@@ -77,10 +77,24 @@ def _step_fn(config, pcfg, dcfg, tx, *, mesh, dense: bool):
     max_tokens=None,
     vocab_chunk=0 if dense else b.vocab_chunk,
     attn_tile=b.attn_tile,
+    remat=b.remat,
   )
   if not dense:
     return functools.partial(step_lib.cotrain_step, mesh=mesh, **kw)
   return functools.partial(dense_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx)
+
+
+def remat_rows(config) -> list[dict]:
+  """The ring step with every policy layer rematerialised, at each cp (for information)."""
+  c = config.copy_and_resolve_references()
+  c.bench_long.remat = True
+  rows = []
+  for cp in c.bench_long.cps:
+    r = compile_memory(c, cp=cp, dense=False)
+    rows.append(dict(r, remat=True))
+    note = r.get("error") or f"temp {_gib(r['temp_bytes'])} GiB, peak {_gib(r['peak_bytes'])} GiB"
+    print(f"S={r['S']:>7} ring cp={cp} remat: {note}", flush=True)
+  return rows
 
 
 def dense_step(state, batch, *, pcfg, dcfg, rl_cfg, tx):
@@ -223,6 +237,7 @@ def run(config, workdir: str) -> dict:
     "vocab_chunk": b.vocab_chunk,
     "attn_tile": b.attn_tile,
     "memory": rows,
+    "remat": remat_rows(config) if b.remat_rows else [],
     "timing": measure_time(config),
   }
   results["summary"] = summary(rows)
@@ -242,16 +257,19 @@ def _gib(n) -> str:
 def table(results) -> str:
   """Per-device GiB by S: the ring step (argument, temp, peak) beside the dense step."""
   lines = [
-    "| cp | S | ring: argument | ring: temp | ring: peak | dense step: temp | dense step: peak |",
-    "|---|---|---|---|---|---|---|",
+    "| cp | S | ring: argument | ring: temp | ring: peak | ring + remat: temp | dense step: temp "
+    "| dense step: peak |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   by = {(r["cp"], r["dense"]): r for r in results["memory"]}
+  remat = {r["cp"]: r for r in results.get("remat", [])}
   for cp in sorted({r["cp"] for r in results["memory"]}):
     ring, dense = by.get((cp, False), {}), by.get((cp, True), {})
     cell = lambda r, k: r.get("error", "failed")[:40] if "error" in r else _gib(r[k]) if r else "-"
     lines.append(
       f"| {cp} | {ring.get('S', dense.get('S'))} | {cell(ring, 'argument_bytes')} | "
       f"{cell(ring, 'temp_bytes')} | {cell(ring, 'peak_bytes')} | "
+      f"{cell(remat.get(cp, {}), 'temp_bytes')} | "
       f"{cell(dense, 'temp_bytes')} | {cell(dense, 'peak_bytes')} |"
     )
   return "\n".join(lines)
@@ -264,11 +282,13 @@ def plot(results, path):
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(5.5, 3.8))
-  for dense, label in ((False, "ring step: temp"), (True, "dense step: temp")):
-    rows = sorted(
-      (r for r in results["memory"] if r["dense"] == dense and "error" not in r),
-      key=lambda r: r["S"],
-    )
+  series = (
+    ("ring step: temp", [r for r in results["memory"] if not r["dense"]]),
+    ("ring step + remat: temp", results.get("remat", [])),
+    ("dense step: temp", [r for r in results["memory"] if r["dense"]]),
+  )
+  for label, rows in series:
+    rows = sorted((r for r in rows if "error" not in r), key=lambda r: r["S"])
     if rows:
       ax.plot([r["S"] for r in rows], [r["temp_bytes"] / 2**30 for r in rows], "o-", label=label)
   ring = sorted(

@@ -234,6 +234,7 @@ def run_layers(
   cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
   tap_at: tuple[int, ...] = (),
   attend=None,
+  remat: bool = False,
 ):
   """Runs a contiguous stack of layers (leading axis of `layers`) with `lax.scan`.
 
@@ -243,7 +244,8 @@ def run_layers(
   `dense_attention` is the oracle). Positions and segment ids enter every layer as scanned
   inputs, not as loop constants: differentiating a scan hoists whatever depends only on its
   constants out of the loop, and the attention's per-tile masks would then be precomputed for
-  every tile pair at once (O(S^2) memory).
+  every tile pair at once (O(S^2) memory). `remat` rematerialises each layer in the backward pass
+  (only the layer inputs are saved).
   With `cache = (k_LBCKD, v_LBCKD, lengths_B)`: the T new tokens are written at
   lengths..lengths+T-1 and attend to cache entries j <= lengths + i.
   `tap_at` are local layer indices whose outputs are returned. The scan is split at those layers
@@ -280,6 +282,8 @@ def run_layers(
     x = attn_out_and_mlp(lp, x, o, cfg)
     return x, (None if cache is None else (ck, cv))
 
+  if remat:
+    body = jax.checkpoint(body)
   bounds = sorted(set(t + 1 for t in tap_at) | {n})
   x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
   for stop in bounds:
@@ -331,6 +335,7 @@ def hidden(
   *,
   attend=None,
   attention: str = "tiled",
+  remat: bool = False,
 ):
   """The policy trunk over packed rows: (final normed hidden h_BSE, tapped layers x_NBSE).
 
@@ -350,6 +355,7 @@ def hidden(
     segment_ids_BT=segment_ids_BS,
     tap_at=cfg.taps,
     attend=attend,
+    remat=remat,
   )
   return rms_norm(x, params["final_norm"], cfg.norm_eps), taps
 

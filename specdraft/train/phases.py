@@ -73,7 +73,8 @@ class Context:
     # Training steps run on sequence shards over 'cp' (train/sequence.py); pipeline layouts train
     # on natural-order rows (their stages do not run the trunk ring yet).
     self.cp = 1 if self.pipeline is not None else sequence.cp_size(self.mesh)
-    self.compute = dict(vocab_chunk=config.compute.vocab_chunk, attn_tile=config.compute.attn_tile)
+    cm = config.compute
+    self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
   def training_batch(self, batch: dict) -> dict:

@@ -98,6 +98,7 @@ class Shards:
   cp: int = 1
   axis: str | None = None
   tile: int = 512
+  remat: bool = False  # rematerialise each policy layer in the backward pass
 
   def shift(self, x, n: int, fill=0):
     """x[t + n] in the row's global order (`fill` past the row's end)."""
@@ -135,17 +136,19 @@ class Shards:
     )
 
 
-def run(body, mesh, params: tuple, batch: dict, *, cp_axis: str = "cp", tile: int = 512):
+def run(
+  body, mesh, params: tuple, batch: dict, *, cp_axis: str = "cp", tile: int = 512, remat=False
+):
   """body(shards, *params, batch) -> (loss, metrics): on one shard at cp = 1, else inside one
   shard_map over `cp_axis` with every per-token array sharded on its sequence axis."""
   cp = cp_size(mesh, cp_axis)
   check_laid_out(batch, cp)
   if cp == 1:
-    return body(Shards(tile=tile), *params, batch)
+    return body(Shards(tile=tile, remat=remat), *params, batch)
   tok = PartitionSpec(None, cp_axis)
   batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
   fn = jax.shard_map(
-    functools.partial(body, Shards(cp, cp_axis, tile)),
+    functools.partial(body, Shards(cp, cp_axis, tile, remat)),
     mesh=mesh,
     in_specs=(*(PartitionSpec() for _ in params), batch_specs),
     out_specs=PartitionSpec(),
@@ -161,7 +164,7 @@ def run(body, mesh, params: tuple, batch: dict, *, cp_axis: str = "cp", tile: in
 def policy_hidden(theta, pcfg, batch, sh: Shards):
   """(final normed hidden h_BSE, tapped layers x_NBSE) of this shard's rows."""
   pos, seg = batch["positions"], batch["segment_ids"]
-  return pol.hidden(theta, pcfg, batch["tokens"], pos, seg, attend=sh.trunk())
+  return pol.hidden(theta, pcfg, batch["tokens"], pos, seg, attend=sh.trunk(), remat=sh.remat)
 
 
 def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int):

@@ -58,7 +58,15 @@ def sft_objective(logits, batch):
 
 
 def sft_loss(
-  params, cfg: pol.PolicyConfig, batch, *, mesh=None, pipeline=None, vocab_chunk=0, attn_tile=512
+  params,
+  cfg: pol.PolicyConfig,
+  batch,
+  *,
+  mesh=None,
+  pipeline=None,
+  vocab_chunk=0,
+  attn_tile=512,
+  remat=False,
 ):
   """Next-token cross-entropy on a batch laid out by `sequence.lay_out` (on sequence shards over
   the mesh's 'cp' axis; `train/sequence.py`). With `pipeline` (a PipelineSpec) the policy runs as
@@ -71,7 +79,7 @@ def sft_loss(
     )
     return pipelined.loss(params, None, batch, on_last_stage, pcfg=cfg, mesh=mesh, spec=pipeline)
   body = functools.partial(sequence.sft_body, pcfg=cfg, vocab_chunk=vocab_chunk)
-  return sequence.run(body, mesh, (params,), batch, tile=attn_tile)
+  return sequence.run(body, mesh, (params,), batch, tile=attn_tile, remat=remat)
 
 
 def sft_step(
@@ -84,6 +92,7 @@ def sft_step(
   pipeline=None,
   vocab_chunk=0,
   attn_tile=512,
+  remat=False,
 ):
   """One pure SFT step on a state dict {step, params, opt_state}."""
   (_, metrics), grads = jax.value_and_grad(sft_loss, has_aux=True)(
@@ -94,6 +103,7 @@ def sft_step(
     pipeline=pipeline,
     vocab_chunk=vocab_chunk,
     attn_tile=attn_tile,
+    remat=remat,
   )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -216,6 +226,7 @@ def cotrain_loss(
   max_tokens: int | None = None,
   vocab_chunk: int = 0,
   attn_tile: int = 512,
+  remat: bool = False,
 ):
   """L = L_RL(theta) + lam * L_draft(phi; sg(taps_theta)) from ONE policy forward.
 
@@ -223,7 +234,8 @@ def cotrain_loss(
   positions, segment_ids, loss_mask on completion tokens, behaviour `logprobs`) laid out once by
   `sequence.lay_out`, and per-row `advantages`. The loss runs on sequence shards over the mesh's
   'cp' axis (`train/sequence.py`: the policy trunk through the ring, vocabulary in chunks of
-  `vocab_chunk` tokens, the draft's TTT branch attention on the same shards). `max_tokens` is the
+  `vocab_chunk` tokens, the draft's TTT branch attention on the same shards; `remat`
+  rematerialises each policy layer in the backward pass). `max_tokens` is the
   budget of the sequence-mean-token-scale aggregation (default: the batch's length).
   With `pipeline` (a `model.pipelined.PipelineSpec`) the policy runs as a pipeline over the
   mesh's 'pp' axis, the taps reach the last stage through the TapChannel and the objective
@@ -266,7 +278,7 @@ def cotrain_loss(
     vocab_chunk=vocab_chunk,
   )
   ref = ref_params if use_ref else None
-  return sequence.run(body, mesh, (theta, phi, ref), batch, tile=attn_tile)
+  return sequence.run(body, mesh, (theta, phi, ref), batch, tile=attn_tile, remat=remat)
 
 
 def _pipelined_cotrain_loss(
@@ -316,6 +328,7 @@ def cotrain_step(
   max_tokens: int | None = None,
   vocab_chunk: int = 0,
   attn_tile: int = 512,
+  remat: bool = False,
 ):
   """One pure co-training step on {step, params: {policy, draft}, opt_state, ...} (arguments as
   in `cotrain_loss`)."""
@@ -335,6 +348,7 @@ def cotrain_step(
     max_tokens=max_tokens,
     vocab_chunk=vocab_chunk,
     attn_tile=attn_tile,
+    remat=remat,
   )
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
