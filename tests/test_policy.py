@@ -168,3 +168,22 @@ def test_nnx_module_call_matches_pure_forward(setup):
   a, _ = model(toks)
   b, _ = pol.forward(pol.split_params(model), cfg, toks)
   np.testing.assert_array_equal(a, b)
+
+
+def test_prefill_of_a_long_prompt_has_no_prompt_squared_array():
+  """Prefill attends through the tiled attention: no [B, P, C] mask or score tensor at P = 2048
+  (the cached decoding step keeps its [B, T, C] mask for its few new tokens)."""
+  from _hlo import largest_array
+
+  cfg = pol.PolicyConfig(
+    vocab_size=99, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16
+  )
+  params = pol.init_params(cfg, 0)
+  P = 2048
+  cache = pol.init_cache(cfg, 1, P + 8)
+  prompt = jnp.ones((1, P), jnp.int32)
+  text = prefill.lower(params, cfg, cache, prompt, jnp.array([P - 5])).compile().as_text()
+  assert largest_array(text) < P * P
+  # negative control: feeding the prompt through the cached decoding step builds the mask
+  dec = jax.jit(pol.decode, static_argnums=1).lower(params, cfg, cache, prompt).compile()
+  assert largest_array(dec.as_text()) >= P * P

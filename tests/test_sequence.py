@@ -10,13 +10,12 @@
   has S*V when the vocabulary is chunked (each with a negative control).
 """
 
-import re
-
 import _tolerance as tol
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hlo import largest_array
 
 from configs import default as default_config
 from specdraft.model import eagle3
@@ -223,15 +222,6 @@ def test_padding_contributes_exactly_nothing(setup):
   tol.assert_grads_close(g3, g1, rtol=1e-5)
 
 
-def _largest_buffers(hlo_text: str) -> int:
-  """The largest element count of any array shape in an HLO module's text."""
-  sizes = [
-    int(np.prod([int(d) for d in dims.split(",") if d]))
-    for dims in re.findall(r"\b(?:f32|bf16|f16|s32|pred|u32|s8|u8)\[([\d,]*)\]", hlo_text)
-  ]
-  return max(sizes)
-
-
 def test_no_quadratic_or_vocabulary_sized_buffer_in_the_step():
   """At S = 2048 (one row) no array of the compiled co-training step (forward and backward) has
   S^2 elements, and with the vocabulary chunked none has S*V; the dense oracle's forward has an
@@ -252,13 +242,13 @@ def test_no_quadratic_or_vocabulary_sized_buffer_in_the_step():
     )[0]
     return jax.jit(jax.grad(loss)).lower(tr, b).compile().as_text()
 
-  chunked = _largest_buffers(compiled_text(256))
+  chunked = largest_array(compiled_text(256))
   assert chunked < S * S and chunked < S * V, chunked
-  assert _largest_buffers(compiled_text(0)) >= S * V  # negative control: whole-row logits
+  assert largest_array(compiled_text(0)) >= S * V  # negative control: whole-row logits
   dense = jax.jit(
     lambda p, t: pol.forward(p, pcfg, t, attention="dense")[0].sum()
   )  # negative control: the dense oracle materialises S^2 scores
-  assert _largest_buffers(dense.lower(params, b["tokens"]).compile().as_text()) >= S * S
+  assert largest_array(dense.lower(params, b["tokens"]).compile().as_text()) >= S * S
 
 
 def test_a_batch_not_laid_out_is_refused_before_compiling(setup):

@@ -244,13 +244,9 @@ def run(config, workdir: str) -> dict:
     "speed": measure_speed(b.speed),
   }
   results["summary"] = summary(results)
-  results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))
-  with open(os.path.join(workdir, "table.md"), "w") as f:
-    f.write(table(results) + "\n")
-  plot(results, os.path.join(workdir, "cp_memory.png"))
-  print(table(results))
-  print(provenance.goals_table(results["goals"]))
-  return results
+  return provenance.publish(
+    workdir, results, b.goals, table=table, plot=plot, plot_name="cp_memory.png"
+  )
 
 
 def case_name(case) -> str:

@@ -241,13 +241,9 @@ def run(config, workdir: str) -> dict:
     "timing": measure_time(config),
   }
   results["summary"] = summary(rows)
-  results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))
-  with open(os.path.join(workdir, "table.md"), "w") as f:
-    f.write(table(results) + "\n")
-  plot(results, os.path.join(workdir, "long_memory.png"))
-  print(table(results))
-  print(provenance.goals_table(results["goals"]))
-  return results
+  return provenance.publish(
+    workdir, results, b.goals, table=table, plot=plot, plot_name="long_memory.png"
+  )
 
 
 def _gib(n) -> str:

@@ -218,6 +218,18 @@ def write_results(
   return out
 
 
+def publish(workdir: str, results: Mapping[str, Any], goals, *, table, plot, plot_name: str):
+  """Writes results.json (with provenance and the evaluated goals), table.md and the plot; prints
+  the table and the goals. Returns the object written."""
+  results = write_results(workdir, results, goals=goals_from_config(goals))
+  with open(os.path.join(workdir, "table.md"), "w") as f:
+    f.write(table(results) + "\n")
+  plot(results, os.path.join(workdir, plot_name))
+  print(table(results))
+  print(goals_table(results["goals"]))
+  return results
+
+
 def _jsonable(x):
   try:
     import numpy as np

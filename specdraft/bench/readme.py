@@ -182,79 +182,115 @@ def cp(r: dict) -> str:
     _table(header, rows),
     "",
   ]
-  w = r["work"]
-  wrows = []
-  for name, per in w["rows"].items():
-    for layout, x in per.items():
-      wrows.append(
-        [
-          name.replace("_", " "),
-          layout,
-          _f(x["worst_max_over_mean"]),
-          _f(x["computed_fraction"], 3),
-        ]
-      )
-  lines += [
+  return "\n".join(lines + _cp_work(r["work"]) + [_cp_speed(r["speed"])])
+
+
+def _cp_work(w) -> list[str]:
+  rows = [
+    [name.replace("_", " "), layout, _f(x["worst_max_over_mean"]), _f(x["computed_fraction"], 3)]
+    for name, per in w["rows"].items()
+    for layout, x in per.items()
+  ]
+  return [
     f"Per-rank work from the ring's own counter (tile pairs computed per rank; S = {w['tokens']}, "
     f"cp = {w['cp']}, W = {w['W']}, tile {w['tile']}; packed rows: one long document among "
     f"{w.get('packed_documents', '?')} documents, worst of the seeds):",
     "",
-    _table(["rows", "layout", "max/mean per rank", "tile pairs computed (of all)"], wrows),
+    _table(["rows", "layout", "max/mean per rank", "tile pairs computed (of all)"], rows),
     "",
   ]
-  sp = r["speed"]
+
+
+def _cp_speed(sp) -> str:
   sd, med = sp["dims"], sp["median_seconds"]
-  lines.append(
+  return (
     f"Forward + backward time at S = {sd['S']} on cp = {sd['cp']} simulated devices (H={sd['H']}, "
     f"K={sd['K']}, D={sd['D']}, W={sd['W']}, packed row, medians of interleaved repeats): ring "
     f"{_f(med['ring'])} s, ring computing every tile pair {_f(med['ring_no_skip'])} s, all-gather "
     f"{_f(med['allgather'])} s; ring / all-gather {_f(sp['ring_over_allgather'])}, skipping "
     f"speedup {_f(sp['skip_speedup'])}×."
   )
+
+
+def long(r: dict, rel_dir: str) -> str:
+  """The whole co-training step at long context: the ring step beside the dense step."""
+  m = r["model"]
+  by = {(x["cp"], x["dense"]): x for x in r["memory"]}
+  remat = {x["cp"]: x for x in r.get("remat", [])}
+  cell = lambda x, k: (
+    "-" if not x else x.get("error", "failed")[:30] if "error" in x else _gib(x[k])
+  )
+  rows = []
+  for c in sorted({x["cp"] for x in r["memory"]}):
+    ring, dense = by.get((c, False), {}), by.get((c, True), {})
+    rows.append(
+      [c, ring.get("S", dense.get("S"))]
+      + [cell(ring, k) for k in ("argument_bytes", "temp_bytes", "peak_bytes")]
+      + ([cell(remat.get(c, {}), "temp_bytes")] if remat else [])
+      + [cell(dense, "temp_bytes")]
+    )
+  header = ["cp", "S", "argument", "temp", "peak"]
+  header += ["temp, layers rematerialised"] if remat else []
+  header += ["dense step: temp"]
+  t = r["timing"]
+  med = t["median_seconds"]
+  times = ", ".join(f"cp={c} {_f(med[c])} s" for c in sorted(med, key=int))
+  lines = [
+    "### Long context: the whole co-training step under cp",
+    "",
+    f"Per-device GiB of one compiled co-training step (`memory_analysis()`, compile-only): a "
+    f"{m['n_layers']}-layer policy (d={m['d_model']}, {m['n_heads']} heads, {m['n_kv_heads']} kv "
+    f"heads, head dim {m['head_dim']}, vocabulary {m['vocab_size']}, {m['dtype']} compute, float32 "
+    f"weights and Adam moments), its forward and backward with every layer through the trunk ring, "
+    f"the draft's TTT loss with K = {r['draft']['ttt_steps']}, and the optimizer update; S/cp = "
+    f"{r['tokens_per_rank']} tokens, logits in chunks of {r['vocab_chunk']}. Temp is the step's "
+    "activations and workspace; argument is parameters and optimizer state (replicated over cp). "
+    "The dense step is what the sequence path replaced (dense attention and whole-row logits) at "
+    "the same S on one device.",
+    "",
+    _table(header, rows),
+    "",
+    f"![whole-step memory]({rel_dir}/long_memory.png)",
+    "",
+    f"Step time of one co-training step at S = {t['tokens']} (a small policy; {t['basis']}): "
+    f"{times}.",
+  ]
   return "\n".join(lines)
 
 
-def tap(r: dict) -> str:
-  rows = []
-  for x in r["cases"]:
-    m = x["modes"]
-    rows.append(
-      [
-        x["pp"],
-        x["microbatches"],
-        x["seq_len"],
-        x["n_taps"],
-        f"{m['off']['step_seconds'] * 1e3:.0f}",
-        _f(m["direct"]["ratio_vs_off"], 3),
-        _f(m["direct+delay"]["ratio_vs_off"], 3),
-        _f(m["bulk"]["ratio_vs_off"], 3),
-        _f(m["hop"]["ratio_vs_off"], 3),
-        _mib(x["tapped_bytes"]),
-        _mib(m["direct"]["tap_wire_bytes"]),
-        _mib(m["bulk"]["tap_wire_bytes"]),
-        _mib(m["hop"]["tap_wire_bytes"]),
-        _f(m["direct"]["peak_bytes"] / m["off"]["peak_bytes"], 3),
-      ]
-    )
-  table = _table(
-    [
-      "P",
-      "M",
-      "S",
-      "taps",
-      "off ms",
-      "direct",
-      "direct+delay",
-      "bulk",
-      "hop",
-      "tapped",
-      "direct wire",
-      "bulk wire",
-      "hop wire",
-      "peak direct/off",
-    ],
-    rows,
+TAP_HEADER = [
+  "P",
+  "M",
+  "S",
+  "taps",
+  "off ms",
+  "direct",
+  "direct+delay",
+  "bulk",
+  "hop",
+  "tapped",
+  "direct wire",
+  "bulk wire",
+  "hop wire",
+  "peak direct/off",
+]
+
+
+def _tap_row(x) -> list:
+  m = x["modes"]
+  ratios = [_f(m[k]["ratio_vs_off"], 3) for k in ("direct", "direct+delay", "bulk", "hop")]
+  wire = [_mib(m[k]["tap_wire_bytes"]) for k in ("direct", "bulk", "hop")]
+  return (
+    [x["pp"], x["microbatches"], x["seq_len"], x["n_taps"], f"{m['off']['step_seconds'] * 1e3:.0f}"]
+    + ratios
+    + [_mib(x["tapped_bytes"])]
+    + wire
+    + [_f(m["direct"]["peak_bytes"] / m["off"]["peak_bytes"], 3)]
   )
+
+
+def tap(r: dict) -> str:
+  table = _table(TAP_HEADER, [_tap_row(x) for x in r["cases"]])
   pooled = r["overhead_pooled"]
   gs = r["goals"]
   met = lambda name: "met" if gs[name]["met"] else "NOT met"
@@ -396,6 +432,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
+  ("docs/results/bench_long/results.json", long),
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
 ]

@@ -348,58 +348,38 @@ def ttt_loss_cp(
   B, S = tokens_BS.shape
   S_pad = zigzag.padded_length(S, cp)
   lay = lambda x, axis=1: zigzag.to_zigzag(zigzag.pad(x, S_pad, axis), cp, axis)
-  gpos = zigzag.to_zigzag(jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad)), cp)
+  gpos = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
+  names = ("logits", "tokens", "positions", "seg", "mask", "gpos")
+  per_token = (policy_logits_BSV, tokens_BS, positions_BS, segment_ids_BS, loss_mask_BS, gpos)
+  arrays = {k: lay(x) for k, x in zip(names, per_token)}
+  arrays["mask"] = arrays["mask"].astype(jnp.float32)
+  arrays["taps"] = lay(taps_NBSE, 2)
 
-  def body(dp, embed_table, taps, logits, tokens, positions, seg, mask, gpos):
-    shift = lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill)
-    attend = lambda *a: ring.ring_attention_shard(
-      *a, seg, gpos, branch="ttt", axis_name=cp_axis, cp=cp
-    )
-    total = lambda x: jax.lax.psum(jnp.sum(x), cp_axis)
+  def body(dp, embed_table, a):
+    seg = a["seg"]
     return ttt_loss_on_shard(
       dp,
       cfg,
       embed_table,
-      taps,
-      logits,
-      tokens,
-      positions,
-      seg,
-      mask,
-      shift=shift,
-      attend=attend,
-      total=total,
+      *(a[k] for k in ("taps", "logits", "tokens", "positions", "seg", "mask")),
+      shift=lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill),
+      attend=lambda *qkv: ring.ring_attention_shard(
+        *qkv, seg, a["gpos"], branch="ttt", axis_name=cp_axis, cp=cp
+      ),
+      total=lambda x: jax.lax.psum(jnp.sum(x), cp_axis),
     )
 
-  tok = PartitionSpec(None, cp_axis)  # [B, S, ...] arrays: sequence axis over cp
+  # [B, S, ...] arrays have their sequence axis over cp; the taps [N, B, S, E] their third
+  specs = {k: PartitionSpec(None, cp_axis) for k in names}
+  specs["taps"] = PartitionSpec(None, None, cp_axis)
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(
-      PartitionSpec(),
-      PartitionSpec(),
-      PartitionSpec(None, None, cp_axis),
-      tok,
-      tok,
-      tok,
-      tok,
-      tok,
-      tok,
-    ),
+    in_specs=(PartitionSpec(), PartitionSpec(), specs),
     out_specs=PartitionSpec(),
     check_vma=False,
   )
-  return fn(
-    dp,
-    embed_table,
-    lay(taps_NBSE, 2),
-    lay(policy_logits_BSV),
-    lay(tokens_BS),
-    lay(positions_BS),
-    lay(segment_ids_BS),
-    lay(loss_mask_BS.astype(jnp.float32)),
-    gpos,
-  )
+  return fn(dp, embed_table, arrays)
 
 
 def shift_within_segment_logits(logits_BSV, segment_ids_BS, n: int):

@@ -12,6 +12,7 @@ Shape letters as in policy.py; M microbatches of b = B/M rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -215,6 +216,17 @@ def forward(
 Objective = Callable[..., tuple[jax.Array, dict]]
 
 
+def _last_stage(objective, pcfg, stop_tap_gradient, theta, extra, batch, outs, recv, ref_outs, ref):
+  """The objective on the last stage, from the merged microbatches and the tapped features."""
+  h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
+  taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
+  ref_logits = None
+  if ref_outs is not None:
+    _, ref_logits = pol.head(ref, pipe.merge_microbatches(ref_outs), pcfg)
+    ref_logits = jax.lax.stop_gradient(ref_logits)
+  return objective(theta, extra, logits, taps, batch, ref_logits)
+
+
 def loss(
   theta,
   extra,
@@ -243,43 +255,17 @@ def loss(
   split = lambda x: pipe.split_microbatches(x, spec.microbatches)
   ax = spec.axis_name
 
+  run = functools.partial(_run, pcfg=pcfg, spec=spec, stages=stages)
+
   def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
-    outs, recv, _ = _run(
-      theta,
-      tokens_M,
-      pos_M,
-      seg_M,
-      pcfg=pcfg,
-      spec=spec,
-      plan=plan,
-      stages=stages,
-      stop_tap_gradient=stop_tap_gradient,
+    outs, recv, _ = run(
+      theta, tokens_M, pos_M, seg_M, plan=plan, stop_tap_gradient=stop_tap_gradient
     )
     ref_outs = None
     if ref_theta is not None:
-      ref_outs, _, _ = _run(
-        jax.lax.stop_gradient(ref_theta),
-        tokens_M,
-        pos_M,
-        seg_M,
-        pcfg=pcfg,
-        spec=spec,
-        plan=None,
-        stages=stages,
-        stop_tap_gradient=True,
-      )
-
-    def last_stage(theta, extra, batch, outs, recv, ref_outs, ref_theta):
-      h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
-      taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
-      ref_logits = None
-      if ref_outs is not None:
-        _, ref_logits = pol.head(
-          jax.lax.stop_gradient(ref_theta), pipe.merge_microbatches(ref_outs), pcfg
-        )
-        ref_logits = jax.lax.stop_gradient(ref_logits)
-      return objective(theta, extra, logits, taps, batch, ref_logits)
-
+      ref_theta = jax.lax.stop_gradient(ref_theta)
+      ref_outs, _, _ = run(ref_theta, tokens_M, pos_M, seg_M, plan=None, stop_tap_gradient=True)
+    last_stage = functools.partial(_last_stage, objective, pcfg, stop_tap_gradient)
     out = pipe.on_stage(
       stages - 1, last_stage, theta, extra, batch, outs, recv, ref_outs, ref_theta, axis_name=ax
     )
@@ -287,19 +273,12 @@ def loss(
 
   specs = param_specs(theta, ax)
   ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
+  replicated = PartitionSpec()
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(
-      specs,
-      PartitionSpec(),
-      PartitionSpec(),
-      ref_specs,
-      PartitionSpec(),
-      PartitionSpec(),
-      PartitionSpec(),
-    ),
-    out_specs=PartitionSpec(),
+    in_specs=(specs, replicated, replicated, ref_specs, replicated, replicated, replicated),
+    out_specs=replicated,
     axis_names={ax},
   )
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))

@@ -220,6 +220,49 @@ def dense_attention(q, k, v, positions_BT, segment_ids_BT):
   return reference.masked_attention(q, k, v, mask_BTS)[0].astype(q.dtype)
 
 
+def _training_layer(cfg: PolicyConfig, positions_BT, attend):
+  """Scan body of one layer over whole rows: xs = (layer params, positions, segment ids)."""
+
+  def body(x, xs):
+    lp, pos, seg = xs
+    q, k, v = qkv(lp, x, positions_BT, cfg)
+    return attn_out_and_mlp(lp, x, attend(q, k, v, pos, seg), cfg), None
+
+  return body
+
+
+def _prefill_layer(cfg: PolicyConfig, positions_BT, attend):
+  """Scan body of one layer over a prompt written into an empty cache: xs = (layer params,
+  positions, segment ids, k, v); the prompt attends to itself through `attend`."""
+
+  def body(x, xs):
+    lp, pos, seg, ck, cv = xs
+    q, k, v = qkv(lp, x, positions_BT, cfg)
+    start = jnp.zeros((x.shape[0],), jnp.int32)
+    ck, cv = _write_rows(ck, k, start), _write_rows(cv, v, start)
+    return attn_out_and_mlp(lp, x, attend(q, k, v, pos, seg), cfg), (ck, cv)
+
+  return body
+
+
+def _cached_layer(cfg: PolicyConfig, positions_BT, cache, T: int):
+  """Scan body of one layer over T new tokens and its KV cache: xs = (layer params, positions,
+  segment ids, k, v); returns the layer's updated cache rows."""
+  _, _, lengths = cache
+  C = cache[0].shape[2]
+  q_idx = lengths[:, None] + jnp.arange(T)[None, :]
+  mask_BTC = jnp.arange(C)[None, None, :] <= q_idx[:, :, None]
+
+  def body(x, xs):
+    lp, _, _, ck, cv = xs
+    q, k, v = qkv(lp, x, positions_BT, cfg)
+    ck, cv = _write_rows(ck, k, lengths), _write_rows(cv, v, lengths)
+    o, _ = reference.masked_attention(q, ck, cv, mask_BTC)
+    return attn_out_and_mlp(lp, x, o, cfg), (ck, cv)
+
+  return body
+
+
 def slice_layers(layers: Params, start: int, stop: int) -> Params:
   return jax.tree.map(lambda a: a[start:stop], layers)
 
@@ -247,7 +290,9 @@ def run_layers(
   every tile pair at once (O(S^2) memory). `remat` rematerialises each layer in the backward pass
   (only the layer inputs are saved).
   With `cache = (k_LBCKD, v_LBCKD, lengths_B)`: the T new tokens are written at
-  lengths..lengths+T-1 and attend to cache entries j <= lengths + i.
+  lengths..lengths+T-1 and attend to cache entries j <= lengths + i. With a cache and `attend`
+  (prefill: lengths are 0), the new tokens attend to each other through `attend` and their keys
+  and values are written at 0..T-1.
   `tap_at` are local layer indices whose outputs are returned. The scan is split at those layers
   so no per-layer hidden states are kept beyond the taps.
   Returns (x, taps_NBTE or None, (new_k, new_v) or None).
@@ -255,44 +300,23 @@ def run_layers(
   n = jax.tree.leaves(layers)[0].shape[0]
   if any(not 0 <= t < n for t in tap_at):
     raise ValueError(f"tap_at {tap_at} out of range for a stack of {n} layers")
+  if segment_ids_BT is None:
+    segment_ids_BT = jnp.ones(positions_BT.shape, jnp.int32)
   if cache is None:
-    if segment_ids_BT is None:
-      segment_ids_BT = jnp.ones(positions_BT.shape, jnp.int32)
-    if attend is None:
-      attend = tiled_attention()
+    body = _training_layer(cfg, positions_BT, attend or tiled_attention())
+  elif attend is not None:
+    body = _prefill_layer(cfg, positions_BT, attend)
   else:
-    _, _, lengths = cache
-    C = cache[0].shape[2]
-    T = x_BTE.shape[1]
-    q_idx = lengths[:, None] + jnp.arange(T)[None, :]
-    mask_BTS = jnp.arange(C)[None, None, :] <= q_idx[:, :, None]
-
-  def body(x, xs):
-    if cache is None:
-      lp, pos, seg = xs
-    else:
-      lp, ck, cv = xs
-    q, k, v = qkv(lp, x, positions_BT, cfg)
-    if cache is None:
-      o = attend(q, k, v, pos, seg)
-    else:
-      ck = _write_rows(ck, k, cache[2])
-      cv = _write_rows(cv, v, cache[2])
-      o, _ = reference.masked_attention(q, ck, cv, mask_BTS)
-    x = attn_out_and_mlp(lp, x, o, cfg)
-    return x, (None if cache is None else (ck, cv))
-
+    body = _cached_layer(cfg, positions_BT, cache, x_BTE.shape[1])
   if remat:
     body = jax.checkpoint(body)
-  bounds = sorted(set(t + 1 for t in tap_at) | {n})
   x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
-  for stop in bounds:
+  for stop in sorted(set(t + 1 for t in tap_at) | {n}):  # one scan per run of untapped layers
     seg_layers = slice_layers(layers, start, stop)
-    if cache is None:
-      per_layer = lambda a: jnp.broadcast_to(a, (stop - start,) + a.shape)
-      xs = (seg_layers, per_layer(positions_BT), per_layer(segment_ids_BT))
-    else:
-      xs = (seg_layers, cache[0][start:stop], cache[1][start:stop])
+    per_layer = lambda a: jnp.broadcast_to(a, (stop - start,) + a.shape)
+    xs = (seg_layers, per_layer(positions_BT), per_layer(segment_ids_BT))
+    if cache is not None:
+      xs += (cache[0][start:stop], cache[1][start:stop])
     x, kv = jax.lax.scan(body, x, xs)
     if cache is not None:
       new_k.append(kv[0])
@@ -418,9 +442,26 @@ def decode(params: Params, cfg: PolicyConfig, cache: KVCache, tokens_BT):
 def prefill(params: Params, cfg: PolicyConfig, cache: KVCache, prompt_BP, prompt_lengths_B):
   """Writes right-padded prompts into an empty cache.
 
+  The prompt attends to itself with the tiled attention of the training path (no [B, P, C] mask
+  or score tensor, however long the prompt); its keys and values are written at 0..P-1.
   Returns (logits_BPV, Taps, cache) with `cache.lengths = prompt_lengths`; the next-token
   distribution of row b is `logits[b, prompt_lengths[b] - 1]`.
   """
-  cache = cache._replace(lengths=jnp.zeros_like(cache.lengths))
-  logits, taps, cache = decode(params, cfg, cache, prompt_BP)
-  return logits, taps, cache._replace(lengths=prompt_lengths_B.astype(jnp.int32))
+  B, P = prompt_BP.shape
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  valid = (positions < prompt_lengths_B[:, None]).astype(jnp.int32)
+  x = embed(params, prompt_BP, cfg)
+  zeros = jnp.zeros_like(cache.lengths)
+  x, taps, (k, v) = run_layers(
+    params["layers"],
+    x,
+    cfg,
+    positions_BT=positions,
+    segment_ids_BT=valid,
+    cache=(cache.k, cache.v, zeros),
+    tap_at=cfg.taps,
+    attend=tiled_attention(),
+  )
+  h, logits = head(params, x, cfg)
+  lengths = prompt_lengths_B.astype(jnp.int32)
+  return logits, jax.lax.stop_gradient(Taps(taps, h)), KVCache(k, v, lengths)

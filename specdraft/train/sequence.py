@@ -204,18 +204,19 @@ def cotrain_body(
   vocab_chunk: int,
 ):
   """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward."""
-  tok, pos, seg = batch["tokens"], batch["positions"], batch["segment_ids"]
+  tok = batch["tokens"]
+  chunk = dict(vocab_chunk=vocab_chunk)
   h, taps = policy_hidden(theta, pcfg, batch, sh)
   if stop_tap_gradient:
     taps = jax.lax.stop_gradient(taps)
   nxt = sh.shift(tok, 1, 0)
-  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, vocab_chunk=vocab_chunk)
+  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, **chunk)
   mask = sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
   ref_lp = None
   if ref_theta is not None:
     ref_theta = jax.lax.stop_gradient(ref_theta)
     h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
-    ref_lp, _, _ = next_token_scores(ref_theta, pcfg, h_ref, nxt, vocab_chunk=vocab_chunk)
+    ref_lp, _, _ = next_token_scores(ref_theta, pcfg, h_ref, nxt, **chunk)
   rl_loss, metrics = grpo.policy_loss(
     lp,
     sh.shift(batch["logprobs"], 1, 0.0),
@@ -233,24 +234,31 @@ def cotrain_body(
   metrics["entropy"] = jax.lax.stop_gradient(sh.total(ent * mask) / jnp.maximum(sh.total(mask), 1))
   total = rl_loss
   if train_draft:
-    w = jax.lax.stop_gradient(pol.head_weight(theta, pcfg))
-    draft_loss, dm = eagle3.ttt_loss_on_shard(
-      phi,
-      dcfg,
-      theta["embed"],
-      taps,
-      h,
-      tok,
-      pos,
-      seg,
-      batch["loss_mask"],
-      shift=sh.shift,
-      attend=sh.branch(pos, seg),
-      total=sh.total,
-      policy_logits_of=lambda x: chunked.logits(x, w),
-      vocab_chunk=vocab_chunk,
-    )
+    draft_loss, dm = draft_terms(sh, theta, phi, h, taps, batch, pcfg=pcfg, dcfg=dcfg, **chunk)
     metrics.update(dm)
     total = total + lam * draft_loss
   metrics["loss"] = total
   return total, metrics
+
+
+def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, vocab_chunk: int):
+  """The draft's TTT loss on this shard: ring branch attention on the policy's shards, soft
+  targets from the policy's (stop-gradient) final hidden state through its LM head."""
+  pos, seg = batch["positions"], batch["segment_ids"]
+  w = jax.lax.stop_gradient(pol.head_weight(theta, pcfg))
+  return eagle3.ttt_loss_on_shard(
+    phi,
+    dcfg,
+    theta["embed"],
+    taps_NBSE,
+    h_BSE,
+    batch["tokens"],
+    pos,
+    seg,
+    batch["loss_mask"],
+    shift=sh.shift,
+    attend=sh.branch(pos, seg),
+    total=sh.total,
+    policy_logits_of=lambda x: chunked.logits(x, w),
+    vocab_chunk=vocab_chunk,
+  )

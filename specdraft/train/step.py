@@ -242,49 +242,35 @@ def cotrain_loss(
   (RL loss and the draft's loss, `attn_impl` branch attention) runs there.
   """
   theta, phi = trainable["policy"], trainable["draft"]
-  use_ref = ref_params is not None and rl_cfg.beta > 0
+  ref = ref_params if ref_params is not None and rl_cfg.beta > 0 else None
+  common = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam, train_draft=train_draft)
   if pipeline is not None:
-    objective = functools.partial(
-      cotrain_objective,
-      pcfg=pcfg,
-      dcfg=dcfg,
-      rl_cfg=rl_cfg,
-      lam=lam,
-      train_draft=train_draft,
-      attn_impl=attn_impl,
-      mesh=None,
-    )
     return _pipelined_cotrain_loss(
-      objective,
       theta,
       phi,
       batch,
-      pcfg=pcfg,
+      common=common,
       mesh=mesh,
       pipeline=pipeline,
       stop_tap_gradient=stop_tap_gradient,
-      ref_theta=ref_params if use_ref else None,
+      ref_theta=ref,
       attn_impl=attn_impl,
     )
   body = functools.partial(
     sequence.cotrain_body,
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=rl_cfg,
-    lam=lam,
-    train_draft=train_draft,
+    **common,
     stop_tap_gradient=stop_tap_gradient,
     max_tokens=max_tokens,
     vocab_chunk=vocab_chunk,
   )
-  ref = ref_params if use_ref else None
   return sequence.run(body, mesh, (theta, phi, ref), batch, tile=attn_tile, remat=remat)
 
 
 def _pipelined_cotrain_loss(
-  objective, theta, phi, batch, *, pcfg, mesh, pipeline, stop_tap_gradient, ref_theta, attn_impl
+  theta, phi, batch, *, common, mesh, pipeline, stop_tap_gradient, ref_theta, attn_impl
 ):
-  """`cotrain_loss` with the policy as a pipeline over 'pp' and `objective` on the last stage."""
+  """`cotrain_loss` with the policy as a pipeline over 'pp' and the objective on the last stage
+  (natural-order rows, whole-row logits)."""
   from specdraft.model import pipelined
 
   if attn_impl != "dense":
@@ -295,14 +281,14 @@ def _pipelined_cotrain_loss(
 
   def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
     ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
-    return objective(theta, phi, logits, taps, batch, ref_logp)
+    return cotrain_objective(theta, phi, logits, taps, batch, ref_logp, **common)
 
   return pipelined.loss(
     theta,
     phi,
     batch,
     on_last_stage,
-    pcfg=pcfg,
+    pcfg=common["pcfg"],
     mesh=mesh,
     spec=pipeline,
     stop_tap_gradient=stop_tap_gradient,
