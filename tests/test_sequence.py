@@ -145,12 +145,13 @@ def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
 
 # Each layout runs one aggregation (every mode appears under cp), all with the KL term on; rows of
 # 24 tokens (padded to 32 at cp = 8) in chunks of 2-6 tokens straddle ranks.
+# cp8 and tp2_cp2_dp2 run in `make test-slow` (CI runs both suites) to keep `make test` short.
 CASES = [
   ("cp2", "token-mean"),
   ("cp4", "sequence-mean-token-mean"),
-  ("cp8", "sequence-mean-token-scale"),
+  pytest.param("cp8", "sequence-mean-token-scale", marks=pytest.mark.slow),
   ("cp4_dp2", "token-mean"),
-  ("tp2_cp2_dp2", "sequence-mean-token-mean"),
+  pytest.param("tp2_cp2_dp2", "sequence-mean-token-mean", marks=pytest.mark.slow),
 ]
 
 
