@@ -18,6 +18,7 @@ from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS
 from specdraft.train import draft as draft_lib
+from specdraft.train import sequence
 
 V, N = 16, 14  # vocabulary, new tokens per row
 
@@ -61,9 +62,8 @@ def setup():
   dparams = eagle3.init_params(dcfg, 1, params, pcfg)
   tx = optax.adam(1e-2)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
-  step = jax.jit(
-    lambda s: draft_lib.draft_train_step(s, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx)
-  )
+  laid = sequence.lay_out(batch, 1)
+  step = jax.jit(lambda s: draft_lib.draft_train_step(s, params, laid, pcfg=pcfg, dcfg=dcfg, tx=tx))
   for _ in range(40):
     st, _ = step(st)
   return pcfg, dcfg, params, st["params"], prompts, lengths, ar, batch

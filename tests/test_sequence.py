@@ -10,6 +10,8 @@
   has S*V when the vocabulary is chunked (each with a negative control).
 """
 
+import functools
+
 import _tolerance as tol
 import jax
 import jax.numpy as jnp
@@ -285,3 +287,24 @@ def test_remat_changes_the_memory_not_the_step(setup):
   tol.assert_grads_close(g1, g0, rtol=1e-5)
   saved = plain.memory_analysis().temp_size_in_bytes
   assert remat.memory_analysis().temp_size_in_bytes < saved
+
+
+def test_draft_distillation_under_cp_equals_single_device(setup):
+  """The distillation loss (fixed policy, draft's TTT on sequence shards) under cp4_dp2 equals
+  the single-device value, and the policy gets no gradient from it."""
+  c, pcfg, dcfg, tr, _, batch = setup
+  mesh, rules = _mesh("cp4_dp2")
+  body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=8)
+
+  def run(b, mesh=None):
+    loss = lambda d, p: sequence.run(body, mesh, (d, p), b)
+    return jax.device_get(
+      jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(tr["draft"], tr["policy"])
+    )
+
+  (l1, m1), (g1, gp1) = run(sequence.lay_out(batch, 1))
+  (l4, m4), (g4, _) = run(sequence.shard(sequence.lay_out(batch, 4), mesh, rules), mesh)
+  np.testing.assert_allclose(l4, l1, rtol=1e-5)
+  _assert_metrics_close(m4, m1, err="distillation")
+  tol.assert_grads_close(g4, g1, rtol=1e-5)
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(gp1))

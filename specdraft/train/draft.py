@@ -3,6 +3,8 @@ EAGLE-3 draft learns the policy's distribution on them with the TTT loss."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -11,6 +13,7 @@ from specdraft.decode import autoregressive
 from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
+from specdraft.train import sequence
 
 
 def draft_loss_on_batch(
@@ -71,11 +74,30 @@ def draft_loss_on_batch(
   )
 
 
-def draft_train_step(dstate, params, batch, *, pcfg, dcfg, tx, mesh=None, pipeline=None):
-  """One pure draft step on {step, params, opt_state}; the policy is an input, never updated."""
-  (_, metrics), grads = jax.value_and_grad(draft_loss_on_batch, has_aux=True)(
-    dstate["params"], params, pcfg, dcfg, batch, mesh=mesh, pipeline=pipeline
-  )
+def draft_train_step(
+  dstate,
+  params,
+  batch,
+  *,
+  pcfg,
+  dcfg,
+  tx,
+  mesh=None,
+  pipeline=None,
+  vocab_chunk=0,
+  attn_tile=512,
+  remat=False,
+):
+  """One pure draft step on {step, params, opt_state}; the policy is an input, never updated.
+
+  The batch is laid out by `sequence.lay_out`; the loss runs on sequence shards over the mesh's
+  'cp' axis (train/sequence.py), or, with `pipeline`, on the pipeline's last stage."""
+  if pipeline is not None:
+    loss = lambda d: draft_loss_on_batch(d, params, pcfg, dcfg, batch, mesh=mesh, pipeline=pipeline)
+  else:
+    body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk)
+    loss = lambda d: sequence.run(body, mesh, (d, params), batch, tile=attn_tile, remat=remat)
+  (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(dstate["params"])
   updates, opt_state = tx.update(grads, dstate["opt_state"], dstate["params"])
   metrics["draft_grad_norm"] = optax.tree.norm(grads)
   return {
@@ -115,10 +137,13 @@ def draft_iteration(
   temperature: float,
   mesh=None,
   pipeline=None,
+  **compute,
 ):
   """Rollout from the fixed policy, then one draft step; jitted as one program.
 
-  `dstate["key"]` holds raw PRNG key data (checkpointable) and advances every call.
+  The rollout batch is laid out (zigzag over cp) where it is built; `compute` holds the
+  training step's knobs (vocab_chunk, attn_tile, remat). `dstate["key"]` holds raw PRNG key data
+  (checkpointable) and advances every call.
   """
   key, sub = jax.random.split(jax.random.wrap_key_data(dstate["key"]))
   batch, _ = rollout_batch(
@@ -131,7 +156,8 @@ def draft_iteration(
     temperature=temperature,
   )
   batch.pop("logprobs")
+  batch = sequence.lay_out(batch, 1 if pipeline is not None else sequence.cp_size(mesh))
   dstate = {**dstate, "key": jax.random.key_data(key)}
   return draft_train_step(
-    dstate, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx, mesh=mesh, pipeline=pipeline
+    dstate, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx, mesh=mesh, pipeline=pipeline, **compute
   )

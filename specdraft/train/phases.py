@@ -253,6 +253,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
       temperature=dc.rollout_temperature,
       mesh=ctx.mesh,
       pipeline=ctx.pipeline,
+      **ctx.compute,
     ),
     out_shardings=(replicated, None),
     donate_argnums=0,

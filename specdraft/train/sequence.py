@@ -47,7 +47,9 @@ TOKEN_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "logprobs")
 def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
   """The batch padded to a multiple of 2·cp·`multiple` tokens and put in zigzag order (host).
 
-  Padding is segment 0, loss mask 0, position 0. Per-row arrays pass through unchanged."""
+  Padding is segment 0, loss mask 0, position 0. Per-row arrays pass through unchanged. Host
+  arrays stay on the host (numpy); traced or device arrays are laid out by jax.numpy (inside a
+  jitted program that builds its batch, e.g. draft distillation)."""
   S = np.shape(batch["tokens"])[1]
   step = 2 * cp * multiple
   S_pad = -(-S // step) * step
@@ -55,8 +57,9 @@ def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
   out = dict(batch)
   for key in TOKEN_KEYS:
     if key in batch:
-      x = np.asarray(batch[key])
-      x = np.pad(x, [(0, 0), (0, S_pad - S)] + [(0, 0)] * (x.ndim - 2))
+      x = batch[key]
+      xp = jnp if isinstance(x, jax.Array) else np
+      x = xp.pad(xp.asarray(x), [(0, 0), (0, S_pad - S)] + [(0, 0)] * (np.ndim(x) - 2))
       out[key] = x[:, perm]
   return out
 
@@ -239,6 +242,16 @@ def cotrain_body(
     total = total + lam * draft_loss
   metrics["loss"] = total
   return total, metrics
+
+
+def draft_body(sh: Shards, dparams, theta, batch, *, pcfg, dcfg, vocab_chunk: int = 0):
+  """Draft distillation on one shard: the fixed policy's forward under stop_gradient, then the
+  draft's TTT loss (`draft_terms`)."""
+  theta = jax.lax.stop_gradient(theta)
+  h, taps = policy_hidden(theta, pcfg, batch, sh)
+  return draft_terms(
+    sh, theta, dparams, h, taps, batch, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk
+  )
 
 
 def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, vocab_chunk: int):
