@@ -51,9 +51,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def source(results: dict, rel: str) -> str:
   """Which file, command, commit, date and machine a section's figures come from."""
   commit = results["commit"] or "unknown"
+  load = results.get("loadavg")
+  # wall-clock figures from a busy machine are slower than on an idle one: say how busy it was
+  busy = f", load average {'/'.join(f'{x:g}' for x in load)} (1/5/15 min)" if load else ""
   return (
     f"Source: `{rel}`, written by `{results['command']}` at commit `{commit[:12]}` "
-    f"({results['date']}; {results['backend']}, {results['cpu_count']} CPU cores, "
+    f"({results['date']}; {results['backend']}, {results['cpu_count']} CPU cores{busy}, "
     f"jax {results['jax']})."
   )
 
