@@ -199,6 +199,7 @@ def test_whole_cotrain_step_under_cp_equals_single_device(
   tol.assert_adam_update_close(tr, p2, p1, g2, g1, lr=lr, err=f"{layout} ")
 
 
+@pytest.mark.slow  # two compiled cp2 steps; `make test-slow` (and CI) run it
 def test_padding_contributes_exactly_nothing(setup):
   """Garbage in the padding (tokens, positions, behaviour log-probs) changes no bit of the loss,
   metrics or gradients; more padding changes them only by float32 reordering."""
