@@ -42,7 +42,8 @@ def floor_bytes(*, B, Sl, H, K, D, W, itemsize) -> int:
   return int(2 * inputs + 2 * outputs + 4 * B * Sl * (1 + W) * H)
 
 
-def _mesh(cp):
+def cp_mesh(cp: int):
+  """A one-axis 'cp' mesh over the first cp devices (automatic axis type)."""
   return jax.make_mesh((cp,), ("cp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:cp])
 
 
@@ -62,7 +63,7 @@ def _fwd_bwd(impl: str, cp: int, branch: str, tile: int, skip: bool = True):
     else:
       body = lambda *a: ring.allgather_attention_shard(*a, **kw)
     fn = jax.shard_map(
-      body, mesh=_mesh(cp), in_specs=(spec,) * 8, out_specs=(spec, spec), check_vma=False
+      body, mesh=cp_mesh(cp), in_specs=(spec,) * 8, out_specs=(spec, spec), check_vma=False
     )
 
   def fwd_bwd(q, k, v, qb, kb, vb, seg, pos, do, dob):
@@ -80,7 +81,7 @@ def _shapes(B, S, H, K, D, W):
 
 def compile_memory(impl, *, S, cp, B, H, K, D, W, branch, dtype=jnp.bfloat16, tile=512) -> dict:
   """Compiles forward + backward with a cotangent argument; per-device bytes, no allocation."""
-  sh = NamedSharding(_mesh(cp), PartitionSpec(None, "cp"))
+  sh = NamedSharding(cp_mesh(cp), PartitionSpec(None, "cp"))
   abstract = lambda s, d=dtype: jax.ShapeDtypeStruct(s, d, sharding=sh)
   inputs, cots = _shapes(B, S, H, K, D, W)
   args = [abstract(s) for s in inputs] + [abstract((B, S), jnp.int32)] * 2
@@ -164,7 +165,7 @@ def measure_speed(sp) -> dict:
   B, H, K, D = 1, sp.heads, sp.kv_heads, sp.head_dim
   inputs, cots = _shapes(B, S, H, K, D, W)
   keys = jax.random.split(jax.random.key(0), len(inputs) + len(cots))
-  sh = NamedSharding(_mesh(cp), PartitionSpec(None, "cp"))
+  sh = NamedSharding(cp_mesh(cp), PartitionSpec(None, "cp"))
   rnd = lambda k, s: jax.device_put(jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16), sh)
   xs = [rnd(k, s) for k, s in zip(keys, inputs)]
   seg = cp_work.packed_segments(

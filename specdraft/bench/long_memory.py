@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft.bench import provenance
+from specdraft.bench.cp_memory import cp_mesh
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.train import sequence
@@ -58,12 +59,6 @@ def _abstract_batch(B, S, mesh, cp):
   batch["logprobs"] = jax.ShapeDtypeStruct((B, S), f32, sharding=tok)
   batch["advantages"] = jax.ShapeDtypeStruct((B,), f32, sharding=rows)
   return batch
-
-
-def _mesh(cp: int):
-  return jax.make_mesh(
-    (cp,), ("cp",), devices=jax.devices()[:cp], axis_types=(jax.sharding.AxisType.Auto,)
-  )
 
 
 def _step_fn(config, pcfg, dcfg, tx, *, mesh, dense: bool):
@@ -121,7 +116,7 @@ def compile_memory(config, *, cp: int, dense: bool) -> dict:
   b = config.bench_long
   pcfg, dcfg = _configs(config)
   S = b.tokens_per_rank * cp
-  mesh = _mesh(1 if dense else cp)
+  mesh = cp_mesh(1 if dense else cp)
   tx = step_lib.make_cotrain_optimizer(config.rl, config.draft)
   state = _abstract_state(pcfg, dcfg, tx, NamedSharding(mesh, PartitionSpec()))
   batch = _abstract_batch(b.batch, S, mesh, 1 if dense else cp)
@@ -169,7 +164,7 @@ def measure_time(config) -> dict:
   kw.update(vocab_chunk=config.bench_long.vocab_chunk, attn_tile=t.attn_tile)
   fns, args = {}, {}
   for cp in t.cps:
-    mesh = _mesh(cp)
+    mesh = cp_mesh(cp)
     rules = [("batch", None), ("length", "cp")]
     fns[cp] = jax.jit(functools.partial(step_lib.cotrain_step, mesh=mesh, **kw))
     state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
