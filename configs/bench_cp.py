@@ -47,6 +47,19 @@ def _goals(cases, speed_goal: bool):
     target=1.05,
     what="zigzag per-rank work max/mean, packed rows (worst seed)",
   )
+  # added with the per-document zigzag layout (fixed before its first run)
+  g["document_zigzag_balanced_packed"] = dict(
+    metric="summary.work.packed_document_max_over_mean",
+    op="<=",
+    target=1.05,
+    what="per-document zigzag per-rank work max/mean, packed rows (worst seed)",
+  )
+  g["contiguous_visibly_worse_packed"] = dict(
+    metric="summary.work.packed_contiguous_max_over_mean",
+    op=">=",
+    target=1.25,
+    what="contiguous per-rank work max/mean, packed rows (worst seed): visibly unbalanced",
+  )
   if speed_goal:
     g["ring_faster_than_allgather"] = dict(
       metric="summary.speed.ring_over_allgather",
@@ -75,9 +88,9 @@ def get_config(arg: str | None = None):
     tile=512,
     # work from the ring's counter (it runs the forward, so tiny heads): 64K tokens over 8 ranks,
     # packed rows with one long document (a quarter of the row) among many short ones (geometric
-    # lengths, mean 2048), tail padding
+    # lengths, mean 2048), tail padding; document lengths rounded up to 2*cp tokens
     work=dict(
-      tokens=65536, cp=8, tile=512, W=7, seeds=3, long_fraction=0.25, mean_short=2048, pad=1000
+      tokens=65536, cp=8, tile=512, W=7, seeds=3, long_fraction=0.25, mean_short=2048, pad=1024
     ),
     # fwd+bwd time at a size that runs on 8 simulated CPU devices
     speed=dict(

@@ -96,6 +96,29 @@ def test_zigzag_permutation(cp):
     zigzag.permutation(S + 1, cp)
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_document_permutation_cuts_every_document_into_2cp_chunks(cp):
+  lengths = [2 * cp, 6 * cp, 4 * cp]
+  perm = zigzag.document_permutation(lengths, cp)
+  np.testing.assert_array_equal(np.sort(perm), np.arange(sum(lengths)))
+  starts = np.r_[0, np.cumsum(lengths)[:-1]]
+  L = len(perm) // cp
+  for r in range(cp):
+    local = perm[r * L : (r + 1) * L]
+    first, second = local[: L // 2], local[L // 2 :]
+    # chunk r of every document (in document order), then chunk 2cp-1-r of every document
+    for half, j in ((first, r), (second, 2 * cp - 1 - r)):
+      want = [s + j * (n // (2 * cp)) + np.arange(n // (2 * cp)) for s, n in zip(starts, lengths)]
+      np.testing.assert_array_equal(half, np.concatenate(want))
+  # one document: the row zigzag
+  np.testing.assert_array_equal(
+    zigzag.document_permutation([8 * cp], cp), zigzag.permutation(8 * cp, cp)
+  )
+  np.testing.assert_array_equal(zigzag.document_lengths([1, 1, 2, 0, 0, 0, 3]), [2, 1, 3, 1])
+  with pytest.raises(ValueError, match="not positive multiples of 2\\*cp"):
+    zigzag.document_permutation([2 * cp, 2 * cp + 1], cp)
+
+
 @pytest.mark.parametrize("cp,n", [(1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (4, 3), (2, 7)])
 def test_zigzag_shift_matches_global_shift_elementwise(cp, n):
   S = 4 * cp
@@ -178,6 +201,19 @@ def test_allgather_matches_oracle(cp, branch):
   assert_close(
     value_and_grads(cp_impl("allgather", cp), xs, branch), value_and_grads(dense, xs, branch), 2e-5
   )
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("branch", ["ttt", "block"])
+def test_document_layout_matches_oracle(branch, impl):
+  """Packed rows in the per-document layout (documents and padding runs of 8 = 2cp tokens at
+  cp = 4); rows with different documents get different permutations."""
+  segs = np.array(
+    [[1] * 8 + [2] * 24 + [3] * 16 + [0] * 8, [1] * 16 + [2] * 8 + [3] * 8 + [4] * 24]
+  )
+  xs = inputs(40, segs)
+  got = value_and_grads(cp_impl(impl, 4, tile=4, layout="document"), xs, branch)
+  assert_close(got, value_and_grads(dense, xs, branch), 2e-5)
 
 
 @pytest.mark.parametrize("branch", ["ttt", "block"])

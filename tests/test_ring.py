@@ -52,10 +52,10 @@ def test_float32_state_is_needed_for_long_rows_in_bf16():
   assert err["bfloat16"] > 2 * err["float32"], err
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", cp_work.LAYOUTS)
 @pytest.mark.parametrize("W", [0, 3])
 def test_work_counter_counts_exactly_the_visible_tile_pairs(layout, W):
-  seg = cp_work.packed_segments(512, seed=1, long_fraction=0.4, mean_short=20, pad=24)
+  seg = cp_work.packed_segments(512, seed=1, long_fraction=0.4, mean_short=20, pad=24, granule=8)
   got = cp_work.tile_pairs_per_rank(seg, cp=4, layout=layout, W=W, tile=16)
   want = cp_work.visible_pairs_host(seg, cp=4, layout=layout, W=W, tile=16)
   np.testing.assert_array_equal(got, want)
@@ -72,6 +72,21 @@ def test_zigzag_balances_causal_work_that_contiguous_does_not():
   assert cp_work.balance(zig) <= 1.02, zig
   assert cp_work.balance(cont) >= 1.5, cont
   assert zig.sum() == cont.sum()  # the same total work, distributed differently
+
+
+def test_document_zigzag_balances_packed_rows():
+  """Packed rows (one long document among many short ones): the row zigzag leaves ranks unequal,
+  the per-document zigzag gives every rank the same tile pairs."""
+  for seed in range(2):
+    seg = cp_work.packed_segments(
+      4096, seed=seed, long_fraction=0.25, mean_short=128, pad=64, granule=16
+    )
+    work = {
+      lay: cp_work.tile_pairs_per_rank(seg, cp=8, layout=lay, tile=16) for lay in cp_work.LAYOUTS
+    }
+    assert cp_work.balance(work["document"]) <= 1.02, work
+    assert cp_work.balance(work["zigzag"]) >= 1.2, work
+    assert cp_work.balance(work["contiguous"]) >= 1.2, work
 
 
 @pytest.mark.parametrize("branch", ["ttt", "block"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from specdraft.attention import reference
 
 IMPLS = ("dense", "ring", "allgather")
@@ -104,11 +106,16 @@ def context_parallel(
   cp_axis="cp",
   tile=512,
   custom_grad=True,
+  layout="zigzag",
   **ring_options,
 ):
   """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
-  rows out in zigzag order once, runs the per-shard program under shard_map over `cp_axis`, and
-  undoes the layout. The model path calls the per-shard functions directly instead."""
+  rows out once, runs the per-shard program under shard_map over `cp_axis`, and undoes the
+  layout. The model path calls the per-shard functions directly instead.
+
+  layout: "zigzag" (the whole row cut into 2*cp chunks) or "document" (the cut made per
+  document, for packed rows; segment ids must then be a host array whose documents, padding
+  runs included, are multiples of 2*cp tokens long)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec
@@ -122,12 +129,13 @@ def context_parallel(
   B, S = segment_ids_BS.shape
   S_pad = zigzag.padded_length(S, cp)
   pos_BS = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
-  lay = lambda x: zigzag.to_zigzag(zigzag.pad(x, S_pad), cp)
+  perm_BS = _layout_permutation(layout, segment_ids_BS, S_pad, cp)
+  lay = lambda x: _take_rows(zigzag.pad(x, S_pad), perm_BS)
   args = [
     lay(x)
     for x in (q_BSHD, k_BSKD, v_BSKD, q_BSWHD, k_BSWKD, v_BSWKD, segment_ids_BS.astype(jnp.int32))
   ]
-  args.append(zigzag.to_zigzag(pos_BS, cp))
+  args.append(_take_rows(pos_BS, perm_BS))
   body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
   kw = dict(branch=branch, axis_name=cp_axis, cp=cp, tile=tile)
   if impl == "ring":
@@ -143,5 +151,37 @@ def context_parallel(
     check_vma=False,
   )
   out, out_br = fn(*args)
-  unlay = lambda x: zigzag.from_zigzag(x, cp)[:, :S]
+  inverse_BS = np.argsort(perm_BS, axis=1)
+  unlay = lambda x: _take_rows(x, inverse_BS)[:, :S]
   return unlay(out), unlay(out_br)
+
+
+LAYOUTS = ("zigzag", "document")
+
+
+def _layout_permutation(layout, segment_ids_BS, S_pad: int, cp: int):
+  """[B, S_pad] host indices: row b of the layout is row b of the padded natural order at
+  perm[b]."""
+  from specdraft.parallel import zigzag
+
+  B = segment_ids_BS.shape[0]
+  if layout == "zigzag":
+    return np.broadcast_to(zigzag.permutation(S_pad, cp), (B, S_pad))
+  if layout != "document":
+    raise ValueError(f"layout={layout!r} is not valid; expected one of {LAYOUTS}")
+  try:
+    seg = np.asarray(segment_ids_BS)
+  except Exception as e:  # a tracer: the layout is made on the host, once per batch
+    raise ValueError(
+      "layout='document' reads each row's documents from its segment ids, which must be a host "
+      "(numpy or committed) array, not a traced value"
+    ) from e
+  seg = np.pad(seg, [(0, 0), (0, S_pad - seg.shape[1])])
+  return np.stack([zigzag.document_permutation(zigzag.document_lengths(row), cp) for row in seg])
+
+
+def _take_rows(x, perm_BS):
+  import jax.numpy as jnp
+
+  idx = jnp.asarray(perm_BS).reshape(perm_BS.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, idx, axis=1)

@@ -117,43 +117,49 @@ def dense_estimate(*, S, B, H, W, **_) -> int:
 
 
 def measure_work(w) -> dict:
-  """Per-rank tile pairs from the ring's own counter: zigzag vs contiguous, whole-row document
-  and packed rows."""
+  """Per-rank tile pairs from the ring's own counter, every layout, on a whole-row document and
+  on packed rows (documents padded to 2*cp tokens so the per-document layout applies)."""
   S, cp = w.tokens, w.cp
   rows = {"whole_row_document": [np.ones(S, np.int32)]}
   rows["packed"] = [
     cp_work.packed_segments(
-      S, seed=s, long_fraction=w.long_fraction, mean_short=w.mean_short, pad=w.pad
+      S,
+      seed=s,
+      long_fraction=w.long_fraction,
+      mean_short=w.mean_short,
+      pad=w.pad,
+      granule=2 * cp,
     )
     for s in range(w.seeds)
   ]
   out = {"tokens": S, "cp": cp, "tile": w.tile, "W": w.W, "rows": {}}
   for name, segs in rows.items():
-    per = {}
-    for layout in cp_work.LAYOUTS:
-      counts = [
-        cp_work.tile_pairs_per_rank(seg, cp=cp, layout=layout, W=w.W, tile=w.tile) for seg in segs
-      ]
-      total = cp_work.tile_pairs_per_rank(
-        segs[0], cp=cp, layout=layout, W=w.W, tile=w.tile, skip=False
-      )
-      per[layout] = {
-        "pairs_per_rank": [c.tolist() for c in counts],
-        "max_over_mean": [cp_work.balance(c) for c in counts],
-        "worst_max_over_mean": max(cp_work.balance(c) for c in counts),
-        "pairs_without_skipping_per_rank": total.tolist(),
-        "computed_fraction": float(np.mean([c.sum() / total.sum() for c in counts])),
-      }
-      print(
-        f"work {name:>18} {layout:>10}: max/mean {per[layout]['worst_max_over_mean']:.3f} "
-        f"computed {per[layout]['computed_fraction']:.3f} of all tile pairs",
-        flush=True,
-      )
-    out["rows"][name] = per
-  if rows["packed"]:
-    seg = rows["packed"][0]
-    out["packed_documents"] = int(len(np.unique(seg[seg > 0])))
+    out["rows"][name] = {layout: _layout_work(segs, cp, layout, w) for layout in cp_work.LAYOUTS}
+  seg = rows["packed"][0]
+  out["packed_documents"] = int(len(np.unique(seg[seg > 0])))
   return out
+
+
+def _layout_work(segs, cp: int, layout: str, w) -> dict:
+  counts = [
+    cp_work.tile_pairs_per_rank(seg, cp=cp, layout=layout, W=w.W, tile=w.tile) for seg in segs
+  ]
+  total = cp_work.tile_pairs_per_rank(segs[0], cp=cp, layout=layout, W=w.W, tile=w.tile, skip=False)
+  x = {
+    "pairs_per_rank": [c.tolist() for c in counts],
+    "max_over_mean": [cp_work.balance(c) for c in counts],
+    "worst_max_over_mean": max(cp_work.balance(c) for c in counts),
+    # the busiest rank sets the step time: its pairs, worst seed
+    "worst_max_pairs": int(max(c.max() for c in counts)),
+    "pairs_without_skipping_per_rank": total.tolist(),
+    "computed_fraction": float(np.mean([c.sum() / total.sum() for c in counts])),
+  }
+  print(
+    f"work {len(segs)} row(s) {layout:>10}: max/mean {x['worst_max_over_mean']:.3f}, busiest rank "
+    f"{x['worst_max_pairs']} pairs, computed {x['computed_fraction']:.3f} of all tile pairs",
+    flush=True,
+  )
+  return x
 
 
 # ----------------------------------------------------------------------------- speed
@@ -168,25 +174,30 @@ def measure_speed(sp) -> dict:
   sh = NamedSharding(cp_mesh(cp), PartitionSpec(None, "cp"))
   rnd = lambda k, s: jax.device_put(jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16), sh)
   xs = [rnd(k, s) for k, s in zip(keys, inputs)]
-  seg = cp_work.packed_segments(
-    S, seed=0, long_fraction=sp.long_fraction, mean_short=sp.mean_short, pad=sp.pad
+  seg_S = cp_work.packed_segments(
+    S, seed=0, long_fraction=sp.long_fraction, mean_short=sp.mean_short, pad=sp.pad, granule=2 * cp
   )
-  seg = jax.device_put(cp_work.layout_rows(jnp.asarray(seg)[None], cp, "zigzag"), sh)
-  pos = jax.device_put(cp_work.layout_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, "zigzag"), sh)
-  args = [*xs, seg, pos, *(rnd(k, s) for k, s in zip(keys[len(inputs) :], cots))]
+  cots = [rnd(k, s) for k, s in zip(keys[len(inputs) :], cots)]
+
+  def laid_out(layout):  # the same row's segment ids and positions in `layout`
+    row = lambda x: jax.device_put(cp_work.layout_rows(x[None], cp, layout, seg_S), sh)
+    return [*xs, row(jnp.asarray(seg_S)), row(jnp.arange(S, dtype=jnp.int32)), *cots]
+
+  zig, doc = laid_out("zigzag"), laid_out("document")  # inputs are i.i.d. noise: any order
   variants = {
-    "ring": _fwd_bwd("ring", cp, sp.branch, sp.tile),
-    "ring_no_skip": _fwd_bwd("ring", cp, sp.branch, sp.tile, skip=False),
-    "allgather": _fwd_bwd("allgather", cp, sp.branch, sp.tile),
+    "ring": (_fwd_bwd("ring", cp, sp.branch, sp.tile), zig),
+    "ring_no_skip": (_fwd_bwd("ring", cp, sp.branch, sp.tile, skip=False), zig),
+    "ring_document_layout": (_fwd_bwd("ring", cp, sp.branch, sp.tile), doc),
+    "allgather": (_fwd_bwd("allgather", cp, sp.branch, sp.tile), zig),
   }
-  fns = {n: jax.jit(f) for n, f in variants.items()}
-  for f in fns.values():
-    jax.block_until_ready(f(*args))  # compile and warm up
+  fns = {n: (jax.jit(f), a) for n, (f, a) in variants.items()}
+  for f, a in fns.values():
+    jax.block_until_ready(f(*a))  # compile and warm up
   times = {n: [] for n in fns}
   for _ in range(sp.repeats):
-    for n, f in fns.items():
+    for n, (f, a) in fns.items():
       t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
+      jax.block_until_ready(f(*a))
       times[n].append(time.perf_counter() - t0)
   med = {n: float(np.median(t)) for n, t in times.items()}
   print("speed (s, median): " + ", ".join(f"{n} {t:.2f}" for n, t in med.items()), flush=True)
@@ -196,6 +207,7 @@ def measure_speed(sp) -> dict:
     "median_seconds": med,
     "ring_over_allgather": med["ring"] / med["allgather"],
     "skip_speedup": med["ring_no_skip"] / med["ring"],
+    "document_layout_speedup": med["ring"] / med["ring_document_layout"],
   }
 
 
@@ -302,7 +314,15 @@ def summary(results) -> dict:
       for layout in w[name]
     }
   )
-  out["speed"] = {k: results["speed"][k] for k in ("ring_over_allgather", "skip_speedup")}
+  out["work"].update(
+    {
+      f"{name}_{layout}_max_pairs": w[name][layout]["worst_max_pairs"]
+      for name in w
+      for layout in w[name]
+    }
+  )
+  keys = ("ring_over_allgather", "skip_speedup", "document_layout_speedup")
+  out["speed"] = {k: results["speed"][k] for k in keys}
   return out
 
 

@@ -2,8 +2,15 @@
 
 The ring skips every (query tile, key tile) pair whose mask has no visible entry and counts the
 pairs it computes (`ring_attention_shard(..., return_work=True)`); this module runs that forward
-on real packed rows under a zigzag or a contiguous layout and returns each rank's count. Work
-depends only on positions, segment ids and tile sizes, so the rows carry tiny heads.
+on real packed rows under one of three layouts and returns each rank's count:
+
+- "zigzag": the whole row cut into 2*cp chunks (rank r: chunks r, 2cp-1-r), built for one causal
+  document per row;
+- "document": the same cut made per document (`zigzag.document_permutation`), built for packed
+  rows;
+- "contiguous": rank r holds the r-th contiguous slice.
+
+Work depends only on positions, segment ids and tile sizes, so the rows carry tiny heads.
 """
 
 from __future__ import annotations
@@ -18,20 +25,27 @@ from jax.sharding import AxisType, PartitionSpec
 from specdraft.attention import ring
 from specdraft.parallel import zigzag
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "document", "contiguous")
 
 
-def packed_segments(S: int, *, seed: int, long_fraction: float, mean_short: int, pad: int):
+def packed_segments(
+  S: int, *, seed: int, long_fraction: float, mean_short: int, pad: int, granule: int = 1
+):
   """One packed row [S]: one long document (long_fraction of the row), many short ones (lengths
   drawn from a geometric distribution with mean `mean_short`), in random order, then `pad`
-  padding tokens (segment 0)."""
+  padding tokens (segment 0). Every length is rounded up to a multiple of `granule` (a packer
+  that pads documents to 2*cp tokens for the per-document layout); the tail padding takes the
+  rest, so `pad` and S must then be multiples of it too."""
+  if S % granule or pad % granule:
+    raise ValueError(f"S={S} and pad={pad} must be multiples of granule={granule}")
   rng = np.random.default_rng(seed)
+  up = lambda n: -(-int(n) // granule) * granule
   real = S - pad
-  n_long = int(real * long_fraction)
+  n_long = up(real * long_fraction)
   lengths = [n_long]
   left = real - n_long
   while left > 0:
-    n = int(min(left, max(1, rng.geometric(1.0 / mean_short))))
+    n = min(left, up(max(1, rng.geometric(1.0 / mean_short))))
     lengths.append(n)
     left -= n
   order = rng.permutation(len(lengths))
@@ -39,10 +53,19 @@ def packed_segments(S: int, *, seed: int, long_fraction: float, mean_short: int,
   return np.concatenate([seg, np.zeros(pad, seg.dtype)]).astype(np.int32)
 
 
-def layout_rows(x_BS, cp: int, layout: str):
+def layout_rows(x_BS, cp: int, layout: str, seg_S=None):
+  """x_BS [B, S] put in `layout` (the "document" layout reads the documents from `seg_S`, one
+  row shared by all B rows)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} is not valid; expected one of {LAYOUTS}")
-  return zigzag.to_zigzag(x_BS, cp) if layout == "zigzag" else x_BS
+  if layout == "zigzag":
+    return zigzag.to_zigzag(x_BS, cp)
+  if layout == "document":
+    if seg_S is None:
+      raise ValueError("layout='document' needs the row's segment ids (seg_S)")
+    perm = zigzag.document_permutation(zigzag.document_lengths(seg_S), cp)
+    return x_BS[:, perm]
+  return x_BS
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,8 +105,8 @@ def tile_pairs_per_rank(
   (query tile, key tile) pairs each rank computed."""
   S = len(seg_S)
   zigzag.check_length(S, cp)
-  seg = layout_rows(jnp.asarray(seg_S, jnp.int32)[None], cp, layout)
-  pos = layout_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, layout)
+  seg = layout_rows(jnp.asarray(seg_S, jnp.int32)[None], cp, layout, seg_S)
+  pos = layout_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, layout, seg_S)
   H, K, D = 1, 1, 1
   z = lambda *shape: jnp.zeros((1, S, *shape), jnp.float32)
   args = (z(H, D), z(K, D), z(K, D), z(W, H, D), z(W, K, D), z(W, K, D), seg, pos)
@@ -93,8 +116,8 @@ def tile_pairs_per_rank(
 def visible_pairs_host(seg_S, *, cp: int, layout: str, W: int, tile: int) -> np.ndarray:
   """The same count computed on the host from the mask alone (the oracle for the counter)."""
   S = len(seg_S)
-  seg = np.asarray(layout_rows(np.asarray(seg_S)[None], cp, layout))[0]
-  pos = np.asarray(layout_rows(np.arange(S)[None], cp, layout))[0]
+  seg = np.asarray(layout_rows(np.asarray(seg_S)[None], cp, layout, seg_S))[0]
+  pos = np.asarray(layout_rows(np.arange(S)[None], cp, layout, seg_S))[0]
   L = S // cp
   A, T = ring.tile_sizes(L, W, tile)
   out = np.zeros(cp, np.int64)

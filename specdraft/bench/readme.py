@@ -188,9 +188,22 @@ def cp(r: dict) -> str:
   return "\n".join(lines + _cp_work(r["work"]) + [_cp_speed(r["speed"])])
 
 
+LAYOUT_NAMES = {
+  "zigzag": "row zigzag",
+  "document": "per-document zigzag",
+  "contiguous": "contiguous",
+}
+
+
 def _cp_work(w) -> list[str]:
   rows = [
-    [name.replace("_", " "), layout, _f(x["worst_max_over_mean"]), _f(x["computed_fraction"], 3)]
+    [
+      name.replace("_", " "),
+      LAYOUT_NAMES.get(layout, layout),
+      _f(x["worst_max_over_mean"]),
+      str(x.get("worst_max_pairs", "-")),
+      _f(x["computed_fraction"], 3),
+    ]
     for name, per in w["rows"].items()
     for layout, x in per.items()
   ]
@@ -199,7 +212,10 @@ def _cp_work(w) -> list[str]:
     f"cp = {w['cp']}, W = {w['W']}, tile {w['tile']}; packed rows: one long document among "
     f"{w.get('packed_documents', '?')} documents, worst of the seeds):",
     "",
-    _table(["rows", "layout", "max/mean per rank", "tile pairs computed (of all)"], rows),
+    _table(
+      ["rows", "layout", "max/mean per rank", "busiest rank's tile pairs", "computed (of all)"],
+      rows,
+    ),
     "",
   ]
 
@@ -212,6 +228,12 @@ def _cp_speed(sp) -> str:
     f"{_f(med['ring'])} s, ring computing every tile pair {_f(med['ring_no_skip'])} s, all-gather "
     f"{_f(med['allgather'])} s; ring / all-gather {_f(sp['ring_over_allgather'])}, skipping "
     f"speedup {_f(sp['skip_speedup'])}×."
+    + (
+      f" The same row in the per-document layout: ring {_f(med['ring_document_layout'])} s "
+      f"({_f(sp['document_layout_speedup'])}× the row zigzag's speed)."
+      if "ring_document_layout" in med
+      else ""
+    )
   )
 
 

@@ -3,6 +3,13 @@
 A row of length S (padded to a multiple of 2*cp with segment 0) is cut into 2*cp chunks; CP rank
 r holds chunks r and 2*cp-1-r, so causal attention work is balanced across ranks. The
 permutation is applied once per batch, on the data side, to every per-token array.
+
+That balances one causal document per row. A packed row (many documents, each attending only
+to itself) needs the same cut made per document: `document_permutation` splits every document
+into 2*cp chunks and gives rank r chunk r of each document, then chunk 2*cp-1-r of each, so
+every rank holds an equal share of every document's causal triangle. Each document's length must be a
+multiple of 2*cp (the packer pads documents to that granule; `document_lengths` reads the
+documents of a row from its segment ids).
 """
 
 from __future__ import annotations
@@ -40,6 +47,37 @@ def permutation(S: int, cp: int) -> np.ndarray:
   c = S // (2 * cp)
   chunks = np.arange(S).reshape(2 * cp, c)
   return np.concatenate([np.concatenate([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+def document_lengths(segment_ids_S) -> np.ndarray:
+  """Lengths of the maximal runs of equal segment id in one row (host; padding runs included)."""
+  seg = np.asarray(segment_ids_S)
+  if seg.ndim != 1 or seg.size == 0:
+    raise ValueError(f"segment ids must be one non-empty row, got shape {seg.shape}")
+  starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+  return np.diff(np.r_[starts, seg.size])
+
+
+def document_permutation(lengths, cp: int) -> np.ndarray:
+  """Indices `perm` with layout = natural[perm] for a row of consecutive documents of the given
+  lengths. Rank r holds chunk r of every document (in document order), then chunk 2cp-1-r of
+  every document. Keeping the two halves apart keeps the balance at tile granularity: a tile of
+  first halves on rank r sees the first halves of ranks <= r only, a tile of second halves sees
+  every first half and the second halves of ranks >= r, 2cp+1 chunk pairs per document on every
+  rank. With one document this is `permutation`."""
+  lengths = np.asarray(lengths, np.int64)
+  bad = [int(n) for n in lengths if n <= 0 or n % (2 * cp)]
+  if bad:
+    raise ValueError(
+      f"document lengths {bad[:5]} are not positive multiples of 2*cp={2 * cp}: pack documents "
+      f"to a granule of {2 * cp} tokens (padding inside each document) for the per-document "
+      "zigzag layout"
+    )
+  starts = np.r_[0, np.cumsum(lengths)[:-1]]
+  chunk = lambda j: np.concatenate(
+    [s + j * (n // (2 * cp)) + np.arange(n // (2 * cp)) for s, n in zip(starts, lengths)]
+  )
+  return np.concatenate([np.concatenate([chunk(r), chunk(2 * cp - 1 - r)]) for r in range(cp)])
 
 
 def to_zigzag(x, cp: int, axis: int = 1):
