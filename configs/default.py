@@ -90,9 +90,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       b2=0.98,
       log_every=20,
       cotrain_lr=1e-3,
-      attn_impl="dense",
     )
-  )  # dense | ring | allgather (context parallel over parallel.mesh.cp)
+  )  # the draft's branch attention follows the layout: the ring over parallel.mesh.cp
 
   # GRPO with speculative rollouts and the co-training step L = L_RL + lam * L_draft.
   c.rl = ml_collections.ConfigDict(

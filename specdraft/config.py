@@ -126,10 +126,6 @@ def _validate_draft(config) -> None:
   dh, dk = dr.n_heads or m.n_heads, dr.n_kv_heads or m.n_kv_heads
   if dh % dk:
     _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
-  if dr.attn_impl not in ("dense", "ring", "allgather"):
-    _fail("draft.attn_impl", dr.attn_impl, "expected 'dense', 'ring' or 'allgather'")
-  if dr.attn_impl != "dense" and config.parallel.mesh.get("cp", 1) < 1:
-    _fail("draft.attn_impl", dr.attn_impl, "needs a layout with a cp axis")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
 
@@ -234,12 +230,6 @@ def _validate_pipeline(config, pp: int) -> None:
   ):
     if rows % M:
       _fail("parallel.pipeline.microbatches", M, f"must divide {field}={rows}")
-  if config.draft.attn_impl != "dense":
-    _fail(
-      "draft.attn_impl",
-      config.draft.attn_impl,
-      "pipeline layouts run the draft on the last stage with 'dense' branch attention",
-    )
   if spec.tap_mode == "off" and plan.sources and config.rollout.draft == "cotrained":
     _fail(
       "parallel.pipeline.tap_mode",

@@ -4,8 +4,10 @@
   natural-order oracle (`policy.forward(attention="dense")` with full logits and
   `step.cotrain_objective`) in loss, every metric and gradient, for every GRPO aggregation with
   the KL term on;
-- under cp2, cp4, cp8 and cp4_dp2 the whole co-training step (loss, metrics, gradients, the Adam
-  update) equals the single-device step, with sequences that straddle ranks;
+- under cp2, cp4, cp8, cp4_dp2, tp2_cp2_dp2 and pp2_cp2_dp2 (every pipeline stage through the
+  trunk ring, the objective on the last stage's shards) the whole co-training step (loss,
+  metrics, gradients, the Adam update) equals the single-device step, with sequences that
+  straddle ranks;
 - padding contributes exactly nothing; no buffer of the compiled step has S^2 elements, and none
   has S*V when the vocabulary is chunked (each with a negative control).
 """
@@ -20,7 +22,7 @@ import pytest
 from _hlo import largest_array
 
 from configs import default as default_config
-from specdraft.model import eagle3
+from specdraft.model import eagle3, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.train import sequence
@@ -65,7 +67,7 @@ def _rl(c, aggregation):
   return rl
 
 
-def _loss(c, pcfg, dcfg, ref, aggregation, mesh=None, vocab_chunk=8):
+def _loss(c, pcfg, dcfg, ref, aggregation, mesh=None, vocab_chunk=8, pipeline=None):
   return lambda tr, b: step_lib.cotrain_loss(
     tr,
     b,
@@ -75,6 +77,7 @@ def _loss(c, pcfg, dcfg, ref, aggregation, mesh=None, vocab_chunk=8):
     lam=1.0,
     ref_params=ref,
     mesh=mesh,
+    pipeline=pipeline,
     max_tokens=24,
     vocab_chunk=vocab_chunk,
   )
@@ -119,11 +122,19 @@ def _mesh(layout):
   return mesh_lib.make_mesh(c.parallel), [tuple(r) for r in c.parallel.rules]
 
 
+def _pipeline(mesh):
+  """Pipeline layouts: 2 microbatches of 2 rows, tap channel on its direct path, remat on."""
+  if mesh.shape.get("pp", 1) == 1:
+    return None
+  return pipelined.PipelineSpec(microbatches=2, tap_mode="direct", remat=True)
+
+
 def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
   """(loss, metrics), gradients and one co-training step's new parameters, in one program."""
   tx = step_lib.make_cotrain_optimizer(c.rl, c.draft)
   state = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
-  loss = _loss(c, pcfg, dcfg, ref, aggregation, mesh=mesh)
+  pipeline = _pipeline(mesh) if mesh is not None else None
+  loss = _loss(c, pcfg, dcfg, ref, aggregation, mesh=mesh, pipeline=pipeline)
 
   def both(state, b):
     value_grads = jax.value_and_grad(loss, has_aux=True)(state["params"], b)
@@ -137,6 +148,7 @@ def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
       lam=1.0,
       ref_params=ref,
       mesh=mesh,
+      pipeline=pipeline,
       max_tokens=24,
       vocab_chunk=8,
     )
@@ -154,6 +166,8 @@ CASES = [
   pytest.param("cp8", "sequence-mean-token-scale", marks=pytest.mark.slow),
   ("cp4_dp2", "token-mean"),
   pytest.param("tp2_cp2_dp2", "sequence-mean-token-mean", marks=pytest.mark.slow),
+  # pp x cp: every stage's layers through the trunk ring, the objective on the last stage's shards
+  ("pp2_cp2_dp2", "sequence-mean-token-scale"),
 ]
 
 
@@ -187,6 +201,8 @@ def test_whole_cotrain_step_under_cp_equals_single_device(
     pol.param_logical_axes(tr["policy"]), tr["policy"], rules, mesh
   )
   placed = dict(tr, policy=jax.device_put(tr["policy"], shardings))
+  if mesh.shape.get("pp", 1) > 1:
+    assert _pipeline(mesh) is not None  # the pipelined step, not the plain one
   if mesh.shape["tensor"] > 1:
     assert placed["policy"]["layers"]["wq"].sharding.spec[2] == "tensor"
   got = _step_and_grads(c, pcfg, dcfg, ref, aggregation, placed, laid, mesh=mesh)

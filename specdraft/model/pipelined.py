@@ -2,9 +2,14 @@
 
 Composition of `parallel.pipeline` (schedule) and `parallel.tap` (channel) with the policy:
 stage `s` runs layers `[s L/P, (s+1) L/P)` with `policy.run_layers`; the embedding runs on the
-first stage, the final norm, head and whatever objective the caller gives (RL loss, the draft's
-loss) on the last stage. Only the 'pp' axis is manual inside the shard_map; data/fsdp/tensor
-sharding of the batch and the weights is left to the compiler.
+first stage, the final norm and whatever objective the caller gives (RL loss, the draft's loss) on the last
+stage. Only 'pp' (and, for training under a 'cp' axis, 'cp') is manual inside the shard_map;
+data/fsdp/tensor sharding of the batch and the weights is left to the compiler.
+
+Training (`loss`) runs on sequence shards: with a 'cp' axis every per-token array is sharded on
+its sequence axis in the zigzag layout, every stage's layers attend through the trunk ring and
+the last stage runs the objective on its shards from the final hidden state and the taps the
+TapChannel delivered (the same objective bodies as the unpipelined step, `train/sequence.py`).
 
 Shape letters as in policy.py; M microbatches of b = B/M rows.
 """
@@ -87,13 +92,13 @@ def param_specs(theta, axis_name: str = "pp") -> Any:
 
 
 def _stage_fn(
-  pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str, stop_tap_gradient: bool
+  pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str, stop_tap_gradient: bool, attend
 ):
   def fn(layers, x, side):
     pos, seg = side
     tap_at = () if plan is None else plan.local_union
     x, union, _ = pol.run_layers(
-      layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg, tap_at=tap_at
+      layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg, tap_at=tap_at, attend=attend
     )
     if plan is None:
       return x, None
@@ -115,6 +120,7 @@ def _run(
   stages: int,
   stop_tap_gradient: bool,
   return_sent: bool = False,
+  attend=None,
 ):
   """Inside the shard_map: embedding, the pipelined layer stack, the tap channel."""
   # The embedding runs on the first stage only (its gradient is scattered there only).
@@ -128,7 +134,7 @@ def _run(
   channel = (
     None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay, spec.axis_name)
   )
-  fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient)
+  fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient, attend)
   return pipe.gpipe(
     fn,
     theta["layers"],
@@ -216,15 +222,12 @@ def forward(
 Objective = Callable[..., tuple[jax.Array, dict]]
 
 
-def _last_stage(objective, pcfg, stop_tap_gradient, theta, extra, batch, outs, recv, ref_outs, ref):
+def _last_stage(objective, pcfg, shards, theta, extra, batch, outs, recv, ref_outs, ref):
   """The objective on the last stage, from the merged microbatches and the tapped features."""
-  h, logits = pol.head(theta, pipe.merge_microbatches(outs), pcfg)
-  taps = pol.Taps(_taps_from(recv), jax.lax.stop_gradient(h) if stop_tap_gradient else h)
-  ref_logits = None
+  h = pol.final_hidden(theta, pipe.merge_microbatches(outs), pcfg)
   if ref_outs is not None:
-    _, ref_logits = pol.head(ref, pipe.merge_microbatches(ref_outs), pcfg)
-    ref_logits = jax.lax.stop_gradient(ref_logits)
-  return objective(theta, extra, logits, taps, batch, ref_logits)
+    ref = (ref, jax.lax.stop_gradient(pipe.merge_microbatches(ref_outs)))
+  return objective(shards, theta, extra, h, _taps_from(recv), batch, ref)
 
 
 def loss(
@@ -236,16 +239,24 @@ def loss(
   pcfg: pol.PolicyConfig,
   mesh,
   spec: PipelineSpec,
+  shards,
   stop_tap_gradient: bool = True,
   ref_theta=None,
 ):
   """Runs the policy as a pipeline and `objective` on the last stage; returns (loss, metrics).
 
-  objective(theta, extra, logits_BSV, taps: Taps, batch, ref_logits_BSV or None)
-    -> (scalar loss, {name: scalar})
-  `extra` (e.g. the draft's parameters) and `batch` are visible on every stage; only the last
-  stage evaluates the objective (`lax.cond`), the others contribute zeros, and the result is
-  summed over 'pp'. `ref_theta` (a frozen reference policy) runs through the same pipeline
+  objective(shards, theta, extra, h_BSE, taps_NBSE, batch, ref) -> (scalar loss, {name: scalar})
+  on this rank's sequence shard: h is the final normed hidden state, taps the tapped layers (as
+  the TapChannel delivered them), ref None or (ref_theta, the reference policy's final hidden
+  state) when `ref_theta` is given.
+  `shards` (a `train.sequence.Shards`) names the context-parallel axis and degree: with
+  shards.cp > 1 the shard_map is manual over 'pp' and the cp axis, every per-token array of
+  `batch` (laid out once by `sequence.lay_out`) is sharded on its sequence axis, and every
+  stage attends through `shards.trunk()` (the ring); at cp = 1 the same tiled attention runs
+  without collectives. `extra` (e.g. the draft's parameters) is visible on every stage; only the
+  last stage's objective counts: at cp = 1 only the last stage evaluates it (`lax.cond`); under
+  cp every stage evaluates it and keeps the last stage's (`pipeline.kept_on_stage`: collectives
+  inside a branch some devices skip would hang). The result is summed over 'pp'. `ref_theta` (a frozen reference policy) runs through the same pipeline
   without taps.
   """
   tokens = batch["tokens"]
@@ -254,8 +265,9 @@ def loss(
   plan = check(pcfg, spec, stages, tokens.shape[0])
   split = lambda x: pipe.split_microbatches(x, spec.microbatches)
   ax = spec.axis_name
+  cp_axis = shards.axis if shards.cp > 1 else None
 
-  run = functools.partial(_run, pcfg=pcfg, spec=spec, stages=stages)
+  run = functools.partial(_run, pcfg=pcfg, spec=spec, stages=stages, attend=shards.trunk())
 
   def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
     outs, recv, _ = run(
@@ -265,8 +277,11 @@ def loss(
     if ref_theta is not None:
       ref_theta = jax.lax.stop_gradient(ref_theta)
       ref_outs, _, _ = run(ref_theta, tokens_M, pos_M, seg_M, plan=None, stop_tap_gradient=True)
-    last_stage = functools.partial(_last_stage, objective, pcfg, stop_tap_gradient)
-    out = pipe.on_stage(
+      ref_outs = pol.final_hidden(ref_theta, ref_outs, pcfg)
+    last_stage = functools.partial(_last_stage, objective, pcfg, shards)
+    # with collectives over 'cp' in the objective every stage evaluates it (see kept_on_stage)
+    select = pipe.on_stage if cp_axis is None else pipe.kept_on_stage
+    out = select(
       stages - 1, last_stage, theta, extra, batch, outs, recv, ref_outs, ref_theta, axis_name=ax
     )
     return jax.lax.psum(out, ax)
@@ -274,11 +289,18 @@ def loss(
   specs = param_specs(theta, ax)
   ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
   replicated = PartitionSpec()
+  token = PartitionSpec(None, cp_axis)  # [B, S]: the sequence axis over cp
+  micro = PartitionSpec(None, None, cp_axis)  # [M, b, S]
+  batch_specs = {k: token if _per_token(k, v, tokens) else replicated for k, v in batch.items()}
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(specs, replicated, replicated, ref_specs, replicated, replicated, replicated),
+    in_specs=(specs, replicated, batch_specs, ref_specs, micro, micro, micro),
     out_specs=replicated,
-    axis_names={ax},
+    axis_names={ax} if cp_axis is None else {ax, cp_axis},
   )
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))
+
+
+def _per_token(key, x, tokens_BS) -> bool:
+  return jnp.ndim(x) >= 2 and x.shape[:2] == tokens_BS.shape

@@ -333,9 +333,14 @@ def embed(params: Params, tokens_BT, cfg: PolicyConfig):
   return jnp.take(params["embed"], tokens_BT, axis=0).astype(cfg.compute_dtype)
 
 
+def final_hidden(params: Params, x_BTE, cfg: PolicyConfig):
+  """The final norm: the last layer's output -> the hidden state the LM head reads."""
+  return rms_norm(x_BTE, params["final_norm"], cfg.norm_eps)
+
+
 def head(params: Params, x_BTE, cfg: PolicyConfig):
   """Final norm and LM head; returns (normed hidden, float32 logits)."""
-  h = rms_norm(x_BTE, params["final_norm"], cfg.norm_eps)
+  h = final_hidden(params, x_BTE, cfg)
   w = head_weight(params, cfg)
   return h, jnp.einsum("bte,ev->btv", h, w.astype(h.dtype)).astype(jnp.float32)
 
@@ -381,7 +386,7 @@ def hidden(
     attend=attend,
     remat=remat,
   )
-  return rms_norm(x, params["final_norm"], cfg.norm_eps), taps
+  return final_hidden(params, x, cfg), taps
 
 
 def head_weight(params: Params, cfg: PolicyConfig):

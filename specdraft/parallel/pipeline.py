@@ -43,12 +43,36 @@ def on_stage(stage: int, fn, *args, axis_name: str = "pp"):
   """
   args = varying(args, axis_name)
   shapes = jax.eval_shape(fn, *args)
-  others = lambda *_: varying(
-    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), axis_name
-  )
+  others = lambda *_: jax.tree.map(lambda s: _zeros_varying_like(s, axis_name), shapes)
   return jax.lax.cond(
     jax.lax.axis_index(axis_name) == stage, lambda *a: varying(fn(*a), axis_name), others, *args
   )
+
+
+def kept_on_stage(stage: int, fn, *args, axis_name: str = "pp"):
+  """`fn(*args)` evaluated on every stage and kept on stage `stage` (zeros elsewhere, and zero
+  cotangents into the other stages' evaluations).
+
+  For a `fn` with collectives over another manual axis (the last stage's objective under
+  pp x cp: ring attention, shifts and sums over 'cp'). Inside `on_stage`'s `cond` only the
+  devices of that stage would reach them, and a collective waits for every device of the program
+  (XLA's rendezvous is module-wide): it would hang. The other stages' evaluations run while they
+  would otherwise wait for the last stage."""
+  out = fn(*args)
+  keep = jax.lax.axis_index(axis_name) == stage
+  return jax.tree.map(lambda x: varying(jnp.where(keep, x, jnp.zeros_like(x)), axis_name), out)
+
+
+def _varying_axes(aval) -> set:
+  mat = getattr(aval, "manual_axis_type", None)
+  return set(getattr(mat, "varying", ()) or ())
+
+
+def _zeros_varying_like(s, axis_name: str):
+  """Zeros of `s`'s shape and dtype, varying over `axis_name` and over every axis `s` varies
+  over (e.g. 'cp' under pp x cp, where the objective's per-token outputs vary over both)."""
+  axes = tuple(sorted(_varying_axes(s) | {axis_name}))
+  return jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying")
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -107,7 +131,12 @@ def gpipe(
     raise ValueError("a TapChannel needs a stage function that returns a tap buffer")
   ch0 = None
   if channel is not None:
-    ch0 = varying(channel.init(M, buf_aval.shape[1:], buf_aval.dtype), axis_name)
+    # the carry varies wherever the taps do (over 'cp' too when the rows are sequence shards)
+    axes = _varying_axes(buf_aval) | {axis_name}
+    ch0 = jax.tree.map(
+      lambda z: jax.lax.pcast(z, tuple(sorted(axes)), to="varying"),
+      channel.init(M, buf_aval.shape[1:], buf_aval.dtype),
+    )
 
   def body(carry, it):
     x_prev, ch = carry

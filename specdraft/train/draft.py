@@ -25,37 +25,10 @@ def draft_loss_on_batch(
   *,
   attn_impl: str = "dense",
   mesh=None,
-  pipeline=None,
 ):
-  """Policy forward under stop_gradient (taps and target logits), then the draft's TTT loss.
-
-  With `pipeline` (a PipelineSpec) the policy runs as a pipeline over 'pp' and the draft's loss
-  on the last stage, fed by the TapChannel."""
-  if pipeline is not None:
-    from specdraft.model import pipelined
-
-    def on_last_stage(theta, dp, logits, taps, b, ref_logits):
-      return eagle3.ttt_loss(
-        dp,
-        dcfg,
-        theta["embed"],
-        taps.layers,
-        jax.lax.stop_gradient(logits),
-        b["tokens"],
-        b["positions"],
-        b["segment_ids"],
-        b["loss_mask"],
-      )
-
-    return pipelined.loss(
-      jax.lax.stop_gradient(params),
-      dparams,
-      batch,
-      on_last_stage,
-      pcfg=pcfg,
-      mesh=mesh,
-      spec=pipeline,
-    )
+  """Policy forward under stop_gradient (taps and target logits), then the draft's TTT loss, on
+  natural-order rows with whole-row logits: the oracle of the sequence-shard step
+  (`draft_train_step`)."""
   logits, taps = pol.forward(
     params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"]
   )
@@ -93,7 +66,19 @@ def draft_train_step(
   The batch is laid out by `sequence.lay_out`; the loss runs on sequence shards over the mesh's
   'cp' axis (train/sequence.py), or, with `pipeline`, on the pipeline's last stage."""
   if pipeline is not None:
-    loss = lambda d: draft_loss_on_batch(d, params, pcfg, dcfg, batch, mesh=mesh, pipeline=pipeline)
+    on_last_stage = lambda sh, theta, d, h, taps, b, ref: sequence.draft_terms(
+      sh, theta, d, h, taps, b, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk
+    )
+    loss = lambda d: sequence.run_pipelined(
+      on_last_stage,
+      mesh,
+      pipeline,
+      jax.lax.stop_gradient(params),
+      d,
+      batch,
+      pcfg=pcfg,
+      tile=attn_tile,
+    )
   else:
     body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk)
     loss = lambda d: sequence.run(body, mesh, (d, params), batch, tile=attn_tile, remat=remat)
@@ -156,7 +141,7 @@ def draft_iteration(
     temperature=temperature,
   )
   batch.pop("logprobs")
-  batch = sequence.lay_out(batch, 1 if pipeline is not None else sequence.cp_size(mesh))
+  batch = sequence.lay_out(batch, sequence.cp_size(mesh))
   dstate = {**dstate, "key": jax.random.key_data(key)}
   return draft_train_step(
     dstate, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx, mesh=mesh, pipeline=pipeline, **compute

@@ -70,9 +70,8 @@ class Context:
 
       self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
     self.prompt_len = prompt_len_for(self.task)
-    # Training steps run on sequence shards over 'cp' (train/sequence.py); pipeline layouts train
-    # on natural-order rows (their stages do not run the trunk ring yet).
-    self.cp = 1 if self.pipeline is not None else sequence.cp_size(self.mesh)
+    # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
+    self.cp = sequence.cp_size(self.mesh)
     cm = config.compute
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
@@ -317,7 +316,6 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
       lam=rl.lam,
       train_draft=train_draft,
       ref_params=params if rl.beta > 0 else None,
-      attn_impl=c.draft.attn_impl,
       mesh=ctx.mesh,
       pipeline=ctx.pipeline,
       max_tokens=rl.max_new_tokens or c.decode.max_new_tokens,

@@ -161,6 +161,30 @@ def run(
   return fn(*params, batch)
 
 
+def run_pipelined(
+  objective, mesh, pipeline, theta, extra, batch, *, pcfg, tile: int = 512, **pipeline_options
+):
+  """`run` with the policy as a pipeline over 'pp' (`model.pipelined.loss`): every stage's
+  layers attend through the trunk ring over 'cp' and `objective(shards, theta, extra, h, taps,
+  batch, ref)` runs on the last stage's shards (`*_from_hidden` below)."""
+  from specdraft.model import pipelined
+
+  cp = cp_size(mesh)
+  check_laid_out(batch, cp)
+  shards = Shards(cp, "cp", tile) if cp > 1 else Shards(tile=tile)
+  return pipelined.loss(
+    theta,
+    extra,
+    batch,
+    objective,
+    pcfg=pcfg,
+    mesh=mesh,
+    spec=pipeline,
+    shards=shards,
+    **pipeline_options,
+  )
+
+
 # ----------------------------------------------------------------------------- the policy
 
 
@@ -178,12 +202,17 @@ def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int):
 
 def sft_body(sh: Shards, theta, batch, *, pcfg, vocab_chunk: int = 0):
   """Next-token cross-entropy on loss tokens of the same document, on one shard."""
-  tok, seg = batch["tokens"], batch["segment_ids"]
   h, _ = policy_hidden(theta, pcfg, batch, sh)
+  return sft_from_hidden(sh, theta, h, batch, pcfg=pcfg, vocab_chunk=vocab_chunk)
+
+
+def sft_from_hidden(sh: Shards, theta, h_BSE, batch, *, pcfg, vocab_chunk: int = 0):
+  """`sft_body` from the policy's final hidden state (a pipeline's last stage starts here)."""
+  tok, seg = batch["tokens"], batch["segment_ids"]
   nxt = sh.shift(tok, 1, 0)
   same = (sh.shift(seg, 1, 0) == seg) & (seg != 0)
   w = jnp.where(same, sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0), 0.0)
-  lp, _, top1 = next_token_scores(theta, pcfg, h, nxt, vocab_chunk=vocab_chunk)
+  lp, _, top1 = next_token_scores(theta, pcfg, h_BSE, nxt, vocab_chunk=vocab_chunk)
   n_tokens = sh.total(w)
   n = jnp.maximum(n_tokens, 1.0)
   loss = -sh.total(lp * w) / n
@@ -207,19 +236,66 @@ def cotrain_body(
   vocab_chunk: int,
 ):
   """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward."""
+  h, taps = policy_hidden(theta, pcfg, batch, sh)
+  h_ref = None
+  if ref_theta is not None:
+    ref_theta = jax.lax.stop_gradient(ref_theta)
+    h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
+  return cotrain_from_hidden(
+    sh,
+    theta,
+    phi,
+    ref_theta,
+    h,
+    taps,
+    h_ref,
+    batch,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=rl_cfg,
+    lam=lam,
+    train_draft=train_draft,
+    stop_tap_gradient=stop_tap_gradient,
+    max_tokens=max_tokens,
+    vocab_chunk=vocab_chunk,
+  )
+
+
+def cotrain_from_hidden(
+  sh: Shards,
+  theta,
+  phi,
+  ref_theta,
+  h_BSE,
+  taps_NBSE,
+  h_ref_BSE,
+  batch,
+  *,
+  pcfg,
+  dcfg,
+  rl_cfg,
+  lam: float,
+  train_draft: bool,
+  stop_tap_gradient: bool,
+  max_tokens: int | None,
+  vocab_chunk: int,
+):
+  """`cotrain_body` from the policy's final hidden state, its taps and the reference policy's
+  final hidden state (None without a KL term); a pipeline's last stage starts here."""
   tok = batch["tokens"]
   chunk = dict(vocab_chunk=vocab_chunk)
-  h, taps = policy_hidden(theta, pcfg, batch, sh)
+  h, taps = h_BSE, taps_NBSE
   if stop_tap_gradient:
     taps = jax.lax.stop_gradient(taps)
   nxt = sh.shift(tok, 1, 0)
   lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, **chunk)
   mask = sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
   ref_lp = None
-  if ref_theta is not None:
+  if h_ref_BSE is not None:
     ref_theta = jax.lax.stop_gradient(ref_theta)
-    h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
-    ref_lp, _, _ = next_token_scores(ref_theta, pcfg, h_ref, nxt, **chunk)
+    ref_lp, _, _ = next_token_scores(
+      ref_theta, pcfg, jax.lax.stop_gradient(h_ref_BSE), nxt, **chunk
+    )
   rl_loss, metrics = grpo.policy_loss(
     lp,
     sh.shift(batch["logprobs"], 1, 0.0),

@@ -72,12 +72,12 @@ def sft_loss(
   the mesh's 'cp' axis; `train/sequence.py`). With `pipeline` (a PipelineSpec) the policy runs as
   a pipeline over the mesh's 'pp' axis and the loss on the last stage."""
   if pipeline is not None:
-    from specdraft.model import pipelined
-
-    on_last_stage = lambda theta, extra, logits, taps, batch, ref_logits: sft_objective(
-      logits, batch
+    on_last_stage = lambda sh, theta, extra, h, taps, b, ref: sequence.sft_from_hidden(
+      sh, theta, h, b, pcfg=cfg, vocab_chunk=vocab_chunk
     )
-    return pipelined.loss(params, None, batch, on_last_stage, pcfg=cfg, mesh=mesh, spec=pipeline)
+    return sequence.run_pipelined(
+      on_last_stage, mesh, pipeline, params, None, batch, pcfg=cfg, tile=attn_tile
+    )
   body = functools.partial(sequence.sft_body, pcfg=cfg, vocab_chunk=vocab_chunk)
   return sequence.run(body, mesh, (params,), batch, tile=attn_tile, remat=remat)
 
@@ -220,7 +220,6 @@ def cotrain_loss(
   train_draft: bool = True,
   ref_params=None,
   stop_tap_gradient: bool = True,
-  attn_impl: str = "dense",
   mesh=None,
   pipeline=None,
   max_tokens: int | None = None,
@@ -238,62 +237,36 @@ def cotrain_loss(
   rematerialises each policy layer in the backward pass). `max_tokens` is the
   budget of the sequence-mean-token-scale aggregation (default: the batch's length).
   With `pipeline` (a `model.pipelined.PipelineSpec`) the policy runs as a pipeline over the
-  mesh's 'pp' axis, the taps reach the last stage through the TapChannel and the objective
-  (RL loss and the draft's loss, `attn_impl` branch attention) runs there.
+  mesh's 'pp' axis (every stage's layers through the trunk ring over 'cp'), the taps reach the
+  last stage through the TapChannel and the same objective runs there on its shards
+  (`sequence.cotrain_from_hidden`).
   """
   theta, phi = trainable["policy"], trainable["draft"]
   ref = ref_params if ref_params is not None and rl_cfg.beta > 0 else None
   common = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=lam, train_draft=train_draft)
+  body_options = dict(
+    **common, stop_tap_gradient=stop_tap_gradient, max_tokens=max_tokens, vocab_chunk=vocab_chunk
+  )
   if pipeline is not None:
-    return _pipelined_cotrain_loss(
+
+    def on_last_stage(sh, th, ph, h, taps, b, ref_pair):
+      ref_theta, h_ref = ref_pair if ref_pair is not None else (None, None)
+      return sequence.cotrain_from_hidden(sh, th, ph, ref_theta, h, taps, h_ref, b, **body_options)
+
+    return sequence.run_pipelined(
+      on_last_stage,
+      mesh,
+      pipeline,
       theta,
       phi,
       batch,
-      common=common,
-      mesh=mesh,
-      pipeline=pipeline,
+      pcfg=pcfg,
+      tile=attn_tile,
       stop_tap_gradient=stop_tap_gradient,
       ref_theta=ref,
-      attn_impl=attn_impl,
     )
-  body = functools.partial(
-    sequence.cotrain_body,
-    **common,
-    stop_tap_gradient=stop_tap_gradient,
-    max_tokens=max_tokens,
-    vocab_chunk=vocab_chunk,
-  )
+  body = functools.partial(sequence.cotrain_body, **body_options)
   return sequence.run(body, mesh, (theta, phi, ref), batch, tile=attn_tile, remat=remat)
-
-
-def _pipelined_cotrain_loss(
-  theta, phi, batch, *, common, mesh, pipeline, stop_tap_gradient, ref_theta, attn_impl
-):
-  """`cotrain_loss` with the policy as a pipeline over 'pp' and the objective on the last stage
-  (natural-order rows, whole-row logits)."""
-  from specdraft.model import pipelined
-
-  if attn_impl != "dense":
-    raise ValueError(
-      f"draft.attn_impl={attn_impl!r} cannot run on the last pipeline stage "
-      "yet; use 'dense' with pipeline layouts (ring attention needs 'cp')"
-    )
-
-  def on_last_stage(theta, phi, logits, taps, batch, ref_logits):
-    ref_logp = None if ref_logits is None else completion_logprobs(ref_logits, batch["tokens"])
-    return cotrain_objective(theta, phi, logits, taps, batch, ref_logp, **common)
-
-  return pipelined.loss(
-    theta,
-    phi,
-    batch,
-    on_last_stage,
-    pcfg=common["pcfg"],
-    mesh=mesh,
-    spec=pipeline,
-    stop_tap_gradient=stop_tap_gradient,
-    ref_theta=ref_theta,
-  )
 
 
 def cotrain_step(
@@ -308,7 +281,6 @@ def cotrain_step(
   train_draft: bool = True,
   ref_params=None,
   stop_tap_gradient: bool = True,
-  attn_impl: str = "dense",
   mesh=None,
   pipeline=None,
   max_tokens: int | None = None,
@@ -328,7 +300,6 @@ def cotrain_step(
     train_draft=train_draft,
     ref_params=ref_params,
     stop_tap_gradient=stop_tap_gradient,
-    attn_impl=attn_impl,
     mesh=mesh,
     pipeline=pipeline,
     max_tokens=max_tokens,
