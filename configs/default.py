@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         min_digits=1, max_digits=3, num_operands=2, formats="columns", reward_format=""
       ),
       countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
-      retrieval=dict(num_records=64, key_len=3, value_len=3, hops=1),
+      retrieval=dict(num_records=64, key_len=3, value_len=3, hops=1, queries=1),
       jsonl=dict(path=""),
     )
   )

@@ -1,14 +1,18 @@
 """Long-context co-training: key-value retrieval among distractors, under context parallelism.
 
 Run:    python experiments/train.py --config=configs/long.py --workdir=runs/long
-Other layouts: --config=configs/long.py:layout=cp4_dp2
-Long rows (2-3 RL steps at >= 8K tokens per row): --config=configs/long.py:long
+Other layouts: --config=configs/long.py:layout=cp4_dp2 (or pp2_cp2_dp2)
+Long rows (3 RL steps at >= 8K tokens per row): --config=configs/long.py:long
 Smoke (CI): --config=configs/long.py:smoke
+With provenance (results.json with the goals below, plots):
+        python experiments/long_run.py --config=configs/long.py --workdir=docs/results/long_run
+        python experiments/long_run.py --config=configs/long.py:long --workdir=docs/results/long_8k
 
 The whole run (SFT -> draft distillation -> RL co-training with speculative rollouts) trains on
 sequence shards over `cp` (train/sequence.py): every policy layer attends through the ring, the
 draft's branch attention joins it, and the vocabulary is touched in chunks. Rows hold one prompt of
-`num_records` records "key=value;" and a query; the answer is the queried value (task/retrieval).
+`num_records` records "key=value;" and `queries` distinct keys asked at once; the answer lists
+their values (multi-query retrieval, task/retrieval), the reward is the fraction right.
 """
 
 from __future__ import annotations
@@ -20,23 +24,58 @@ from specdraft.config import parse_arg
 DEFAULT_LAYOUT = "cp8"
 
 
+def _goals(arg):
+  """Fixed before the run (experiments/long_run.py copies them into results.json with
+  pass/fail). The reward is compared between the first and the last fifth of the RL steps."""
+  g = dict(
+    runs_at_length=dict(
+      metric="measured.tokens_per_row",
+      op=">=",
+      target=8192 if arg.long else 128 if arg.smoke else 1024,
+      what="tokens per row",
+    ),
+    losses_finite=dict(
+      metric="measured.losses_finite", op="==", target=True, what="every RL loss finite"
+    ),
+  )
+  if not arg.long and not arg.smoke:  # a learning run: the reward rises, the draft keeps up
+    g["reward_rises"] = dict(
+      metric="measured.reward_gain",
+      op=">",
+      target=0.0,
+      what="RL reward, last fifth of the steps minus the first fifth",
+    )
+    g["accept_len_above_2"] = dict(
+      metric="measured.accept_len_mean",
+      op=">",
+      target=2.0,
+      what="accepted length tau, mean over the RL steps",
+    )
+  return g
+
+
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, layout=DEFAULT_LAYOUT, smoke=False, long=False, records=128, seed=0)
+  arg = parse_arg(
+    arg, layout=DEFAULT_LAYOUT, smoke=False, long=False, records=128, queries=1, seed=0
+  )
   c = default.get_config(f"layout={arg.layout},seed={arg.seed}" + (",smoke" if arg.smoke else ""))
   records = 16 if arg.smoke else 1024 if arg.long else arg.records
   c.task.name = "retrieval"
-  c.task.retrieval.update(num_records=records, key_len=3, value_len=3, hops=1)
+  queries = min(arg.queries, records)
+  c.task.retrieval.update(num_records=records, key_len=3, value_len=3, hops=1, queries=queries)
   c.task.num_train, c.task.num_test = (256, 16) if arg.smoke else (20000, 64)
-  # one row per prompt (no packing): ~8 characters per record, rounded up to a multiple of 2*cp*16
-  need = 8 * records + 16
+  # one row per prompt (no packing): ~8 characters per record and ~8 per query (key and answer),
+  # rounded up to a multiple of 2*cp*16
+  need = 8 * records + 8 * queries + 16
   step = 32 * c.parallel.mesh.cp
   c.data.seq_len = -(-need // step) * step
   c.data.packing = False
-  c.decode.max_new_tokens = 8  # the answer is a few characters
+  c.decode.max_new_tokens = 4 * queries + 4  # "417,093,...": 4 characters per query, then EOS
   c.decode.num_draft = 3
   c.eval.num_examples = 16 if arg.smoke else 64
   c.compute.attn_tile = 256
   c.compute.vocab_chunk = 512
+  c.long_run = dict(goals=_goals(arg))
   if arg.smoke:
     c.data.batch_size = c.eval.batch_size = c.draft.batch_size = 8
     return c
@@ -48,8 +87,10 @@ def get_config(arg: str | None = None):
   c.draft.ttt_steps = 4
   c.rl.steps, c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_every = 20, 4, 4, 10
   if arg.long:  # >= 8K tokens per row: a few RL steps to show the whole run works there
-    c.sft.steps, c.draft.pretrain_steps, c.rl.steps = 20, 10, 3
-    c.eval.every = c.checkpoint.every = 10
+    c.sft.steps, c.draft.pretrain_steps, c.rl.steps = 6, 3, 3
+    c.sft.log_every = c.draft.log_every = 1
+    c.eval.every = c.checkpoint.every = 6
+    c.rl.eval_every = 3
     c.eval.num_examples = c.eval.batch_size = 8
     c.data.batch_size = c.draft.batch_size = 8
     c.rl.prompts_per_step, c.rl.group_size = 2, 4

@@ -31,6 +31,25 @@ def test_retrieval_prompts_answers_and_rewards():
     Retrieval(num_records=20, key_len=1)
 
 
+def test_multi_query_retrieval_gives_partial_credit():
+  task = Retrieval(num_records=12, queries=4, hops=1)
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    ex = task.sample(rng)
+    queried = ex.prompt.split("?")[1].rstrip(":").split(",")
+    assert len(set(queried)) == 4 and len(ex.answer.split(",")) == 4  # distinct keys, in order
+    assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+    assert task.reward(ex, ex.answer) == 1.0
+    items = ex.answer.split(",")
+    assert task.reward(ex, ",".join(items[:2] + ["x", "y"])) == 0.5
+    assert task.reward(ex, ",".join(items[:3])) == 0.75  # a missing item counts as wrong
+    assert task.reward(ex, ex.answer + ",123") == 0.0  # more items than asked: no credit
+  solved = Retrieval(num_records=4, queries=2, hops=2).solve("abc=def;def=1;xyz=abc;?abc,xyz:")
+  assert solved == "def>1,abc>def"
+  with pytest.raises(ValueError, match="queries"):
+    Retrieval(num_records=4, queries=3, hops=2)
+
+
 @pytest.mark.slow  # ~3 min; `make test-slow` (and CI) run it
 def test_long_context_smoke_run_under_cp8(tmp_path):
   """SFT -> draft distillation -> RL co-training with SD rollouts, every training step on
