@@ -33,16 +33,19 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     {k: r.get(k) for k in ("step", "reward_mean", "accept_len", "rl_loss", "draft_loss", "kl")}
     for r in logs["metrics"]
   ]
+  os.makedirs(workdir, exist_ok=True)
+  plots = os.path.join(run_dir, "plots")
+  results["plots"] = []
+  for name in sorted(os.listdir(plots)) if os.path.isdir(plots) else []:
+    if name.endswith(".png"):
+      shutil.copy(os.path.join(plots, name), os.path.join(workdir, name))
+      results["plots"].append(name)
   out = provenance.write_results(
     workdir,
     results,
     goals=provenance.goals_from_config(config.long_run.goals),
     measured=results,
   )
-  plots = os.path.join(run_dir, "plots")
-  for name in sorted(os.listdir(plots)) if os.path.isdir(plots) else []:
-    if name.endswith(".png"):
-      shutil.copy(os.path.join(plots, name), os.path.join(workdir, name))
   print(json.dumps(out["measured"], indent=2))
   print(provenance.goals_table(out["goals"]), flush=True)
   return out

@@ -451,6 +451,35 @@ def wall_times(r: dict) -> str:
   return "\n\n".join(parts)
 
 
+def long_run(r: dict, rel_dir: str) -> str:
+  m, run = r["measured"], r["run"]
+  rows = [
+    [
+      x["step"],
+      _f(x["reward_mean"], 3),
+      _f(x["accept_len"]),
+      _f(x.get("rl_loss"), 4) if x.get("rl_loss") is not None else "-",
+      _f(x.get("draft_loss"), 3) if x.get("draft_loss") is not None else "-",
+    ]
+    for x in r["rl_steps"]
+  ]
+  head = (
+    f"### Long-context co-training run: {m['tokens_per_row']} tokens per row, `{m['layout']}`\n\n"
+    f"Key-value retrieval among distractor records (`configs/long.py`): SFT "
+    f"({run.get('sft_steps')} steps) → draft distillation ({run.get('draft_steps')} steps) → "
+    f"{m['rl_steps_run']} RL co-training steps with speculative rollouts, every training step on "
+    f"sequence shards over `cp = {m['cp']}`; wall time {_f(m['wall_seconds'] / 60, 1)} min. "
+    f"Greedy test accuracy after SFT {_f(m['accuracy_after_sft'], 3)}, after RL "
+    f"{_f(m['accuracy_after_rl'], 3)}."
+  )
+  table = _table(["RL step", "reward", "accepted length τ", "RL loss", "draft loss"], rows)
+  lines = [head, "", table]
+  plots = [p for p in ("reward.png", "accept_len.png") if p in r.get("plots", [])]
+  if plots:
+    lines += ["", " ".join(f"![{p[:-4]}]({rel_dir}/{p})" for p in plots)]
+  return "\n".join(lines)
+
+
 # (results file, renderer); a renderer takes the results and the file's directory.
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
@@ -458,6 +487,8 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
   ("docs/results/bench_long/results.json", long),
+  ("docs/results/long_run/results.json", long_run),
+  ("docs/results/long_8k/results.json", long_run),
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
 ]
