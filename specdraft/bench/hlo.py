@@ -75,25 +75,31 @@ def _computations(hlo: str) -> dict[str, list[str]]:
 
 
 def collective_permutes(hlo: str) -> list[Permute]:
+  """Every collective-permute of the program with its pairs, bytes and how often it runs."""
   comps = _computations(hlo)
+  runs = _run_counts(hlo, comps)
+  out = []
+  for comp, lines in comps.items():
+    for line in lines:
+      if " collective-permute(" in line or " collective-permute-start(" in line:
+        out.append(_permute(line, comp, max(runs.get(comp, 1), 1)))
+  return out
+
+
+def _run_counts(hlo: str, comps: dict) -> dict[str, int]:
+  """How many times each computation runs per program run (loop bodies times their trip count),
+  breadth-first over the call graph from ENTRY (HLO call graphs are acyclic)."""
   entry = next(
-    (
-      m.group(1)
-      for line in hlo.splitlines()
-      if line.startswith("ENTRY")
-      for m in [_HEADER.match(line)]
-      if m
-    ),
+    (m.group(1) for line in hlo.splitlines() if line.startswith("ENTRY")
+     for m in [_HEADER.match(line)] if m),
     None,
-  )
-  # How many times each computation runs per program run.
+  )  # fmt: skip
   runs = {name: 0 for name in comps}
-  if entry is not None:
-    runs[entry] = 1
-  order = [entry] if entry else []
-  seen = set(order)
-  i = 0
-  while i < len(order):  # breadth-first over the call graph (HLO call graphs are acyclic)
+  if entry is None:
+    return runs
+  runs[entry] = 1
+  order, seen, i = [entry], {entry}, 0
+  while i < len(order):
     caller = order[i]
     i += 1
     for line in comps.get(caller, []):
@@ -109,37 +115,25 @@ def collective_permutes(hlo: str) -> list[Permute]:
         if callee not in seen:
           seen.add(callee)
           order.append(callee)
-  out = []
-  for comp, lines in comps.items():
-    for line in lines:
-      if " collective-permute(" not in line and " collective-permute-start(" not in line:
-        continue
-      lhs, _, rhs = line.partition(" = ")
-      pm = _PAIRS.search(line)
-      pairs = (
-        tuple(
-          tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
-        )
-        if pm
-        else ()
-      )
-      shape_text = rhs.split(" collective-permute", 1)[0]
-      nbytes = _shape_bytes(shape_text)
-      if "collective-permute-start" in rhs:  # (operand, result, ...) tuple: count the operand
-        arrays = _ARRAY.findall(shape_text)
-        nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[: max(len(arrays) // 2, 1)]))
-      opn = re.search(r'op_name="([^"]*)"', line)
-      out.append(
-        Permute(
-          lhs.strip().lstrip("%"),
-          comp,
-          pairs,
-          nbytes,
-          max(runs.get(comp, 1), 1),
-          opn.group(1) if opn else "",
-        )
-      )
-  return out
+  return runs
+
+
+def _permute(line: str, comp: str, runs: int) -> Permute:
+  """One collective-permute line: its name, pairs, operand bytes and op name."""
+  lhs, _, rhs = line.partition(" = ")
+  pm = _PAIRS.search(line)
+  pairs = ()
+  if pm:
+    pairs = tuple(
+      tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", pm.group(1))
+    )
+  shape_text = rhs.split(" collective-permute", 1)[0]
+  nbytes = _shape_bytes(shape_text)
+  if "collective-permute-start" in rhs:  # (operand, result, ...) tuple: count the operand
+    arrays = _ARRAY.findall(shape_text)
+    nbytes = _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays[: max(len(arrays) // 2, 1)]))
+  opn = re.search(r'op_name="([^"]*)"', line)
+  return Permute(lhs.strip().lstrip("%"), comp, pairs, nbytes, runs, opn.group(1) if opn else "")
 
 
 def summarize(permutes: list[Permute]) -> dict:

@@ -65,46 +65,20 @@ def correctness(config, case) -> dict:
   pcfg, dcfg, tr, batch = _setup(config, case)
   P, M = case["pp"], case["microbatches"]
   mesh = make_mesh(P)
-  theta = tr["policy"]
-  plan = TapPlan(tuple(pcfg.taps), pcfg.n_layers, P)
-  spec = pipelined.PipelineSpec(microbatches=M, tap_mode="direct")
-  _, taps, sent = jax.jit(
-    lambda th: pipelined.forward(
-      th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, spec=spec
-    )
-  )(theta)
-  f = jax.jit(lambda t, p, s: pol.forward(theta, pcfg, t, p, s))
-  split = lambda x: pipe.split_microbatches(x, M)
-  per = [
-    f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids")))[1].layers
-    for m in range(M)
-  ]
-  unpiped = jax.vmap(pipe.merge_microbatches, in_axes=1)(jnp.stack(per))
-  recv_eq_unpiped = bool(np.array_equal(taps.layers, unpiped))
-  recv_eq_sent = all(
-    np.array_equal(pipe.merge_microbatches(sent[s, :, j]), taps.layers[i])
-    for s in range(P)
-    for j, i in enumerate(plan.slots(s))
-  )
-
+  recv_eq_unpiped, recv_eq_sent = _taps_exact(pcfg, tr["policy"], batch, mesh, P, M)
   tx = step_lib.make_cotrain_optimizer(config.rl, config.draft)
   state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
-  outs = {}
-  for mode in ("direct", "off"):
-    sp = pipelined.PipelineSpec(microbatches=M, tap_mode=mode)
-    fn = jax.jit(
+  step = functools.partial(
+    step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx, lam=config.rl.lam
+  )
+  outs = {
+    mode: jax.jit(
       functools.partial(
-        step_lib.cotrain_step,
-        pcfg=pcfg,
-        dcfg=dcfg,
-        rl_cfg=config.rl,
-        tx=tx,
-        lam=config.rl.lam,
-        mesh=mesh,
-        pipeline=sp,
+        step, mesh=mesh, pipeline=pipelined.PipelineSpec(microbatches=M, tap_mode=mode)
       )
-    )
-    outs[mode] = fn(state, batch)
+    )(state, batch)
+    for mode in ("direct", "off")
+  }
   (s_on, m_on), (s_off, m_off) = outs["direct"], outs["off"]
   same_policy = all(
     np.array_equal(a, b)
@@ -113,12 +87,7 @@ def correctness(config, case) -> dict:
     )
   )
   same_rl = all(np.array_equal(m_on[k], m_off[k]) for k in ("rl_loss", "entropy") if k in m_on)
-  # against the single-device step
-  single = jax.jit(
-    functools.partial(
-      step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx, lam=config.rl.lam
-    )
-  )(state, batch)
+  single = jax.jit(step)(state, batch)  # against the single-device step
   rel = max(
     abs(float(m_on[k]) - float(single[1][k])) / max(abs(float(single[1][k])), 1e-6)
     for k in ("loss", "draft_loss", "policy_grad_norm", "draft_grad_norm")
@@ -133,6 +102,30 @@ def correctness(config, case) -> dict:
   }
 
 
+def _taps_exact(pcfg, theta, batch, mesh, P: int, M: int) -> tuple[bool, bool]:
+  """(receiver buffer == unpipelined taps, receiver buffer == what every stage sent), bit-exact."""
+  plan = TapPlan(tuple(pcfg.taps), pcfg.n_layers, P)
+  spec = pipelined.PipelineSpec(microbatches=M, tap_mode="direct")
+  _, taps, sent = jax.jit(
+    lambda th: pipelined.forward(
+      th, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"], mesh=mesh, spec=spec
+    )
+  )(theta)
+  f = jax.jit(lambda t, p, s: pol.forward(theta, pcfg, t, p, s))
+  split = lambda x: pipe.split_microbatches(x, M)
+  per = [
+    f(*(split(batch[k])[m] for k in ("tokens", "positions", "segment_ids")))[1].layers
+    for m in range(M)
+  ]
+  unpiped = jax.vmap(pipe.merge_microbatches, in_axes=1)(jnp.stack(per))
+  recv_eq_sent = all(
+    np.array_equal(pipe.merge_microbatches(sent[s, :, j]), taps.layers[i])
+    for s in range(P)
+    for j, i in enumerate(plan.slots(s))
+  )
+  return bool(np.array_equal(taps.layers, unpiped)), recv_eq_sent
+
+
 def run_case(config, case, repeats: int) -> dict:
   pcfg, dcfg, tr, batch = _setup(config, case)
   P, M = case["pp"], case["microbatches"]
@@ -143,37 +136,16 @@ def run_case(config, case, repeats: int) -> dict:
   b = case["batch"] // M
   tap_shape = (b, case["seq_len"], pcfg.d_model)
   tapped = TapChannel(plan, "bulk").tapped_bytes(tap_shape, jnp.float32, M)
-  fns, rows = {}, {}
-  for mode, delay in MODES:
-    name = mode_name(mode, delay)
-    spec = pipelined.PipelineSpec(
-      microbatches=M, tap_mode=mode, tap_delay=delay, remat=case.get("remat", False)
-    )
-    fn = jax.jit(
-      functools.partial(
-        step_lib.cotrain_step,
-        pcfg=pcfg,
-        dcfg=dcfg,
-        rl_cfg=config.rl,
-        tx=tx,
-        lam=config.rl.lam,
-        mesh=mesh,
-        pipeline=spec,
-      )
-    )
-    t0 = time.perf_counter()
-    compiled = fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    perms = hlo_lib.collective_permutes(compiled.as_text())
-    jax.block_until_ready(compiled(state, batch))  # warm-up
-    fns[name] = compiled
-    rows[name] = {
-      "mode": name,
-      "compile_seconds": compile_s,
-      "peak_bytes": _memory(compiled),
-      "permute_bytes": hlo_lib.summarize(perms),
-      "times": [],
-    }
+  step = functools.partial(
+    step_lib.cotrain_step,
+    pcfg=pcfg,
+    dcfg=dcfg,
+    rl_cfg=config.rl,
+    tx=tx,
+    lam=config.rl.lam,
+    mesh=mesh,
+  )
+  fns, rows = _compile_modes(step, state, batch, M, case.get("remat", False))
   off_total = rows["off"]["permute_bytes"]["total_bytes"]
   for row in rows.values():
     row["tap_wire_bytes"] = row["permute_bytes"]["total_bytes"] - off_total
@@ -203,6 +175,29 @@ def run_case(config, case, repeats: int) -> dict:
   out["direct_useful_bytes"] = tapped
   out["direct_bubble_bytes"] = rows["direct"]["tap_wire_bytes"] - tapped
   return out
+
+
+def _compile_modes(step, state, batch, M: int, remat: bool):
+  """Every tap mode's step compiled and warmed up: ({mode: compiled}, {mode: row with compile
+  time, peak bytes, collective-permute bytes and an empty list of times})."""
+  fns, rows = {}, {}
+  for mode, delay in MODES:
+    name = mode_name(mode, delay)
+    spec = pipelined.PipelineSpec(microbatches=M, tap_mode=mode, tap_delay=delay, remat=remat)
+    t0 = time.perf_counter()
+    compiled = jax.jit(functools.partial(step, pipeline=spec)).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    perms = hlo_lib.collective_permutes(compiled.as_text())
+    jax.block_until_ready(compiled(state, batch))  # warm-up
+    fns[name] = compiled
+    rows[name] = {
+      "mode": name,
+      "compile_seconds": compile_s,
+      "peak_bytes": _memory(compiled),
+      "permute_bytes": hlo_lib.summarize(perms),
+      "times": [],
+    }
+  return fns, rows
 
 
 def paired_stats(results, *, bootstrap: int = 10000, seed: int = 0) -> dict:

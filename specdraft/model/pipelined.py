@@ -286,21 +286,24 @@ def loss(
     )
     return jax.lax.psum(out, ax)
 
-  specs = param_specs(theta, ax)
-  ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
-  replicated = PartitionSpec()
-  token = PartitionSpec(None, cp_axis)  # [B, S]: the sequence axis over cp
-  micro = PartitionSpec(None, None, cp_axis)  # [M, b, S]
-  batch_specs = {k: token if _per_token(k, v, tokens) else replicated for k, v in batch.items()}
   fn = jax.shard_map(
     body,
     mesh=mesh,
-    in_specs=(specs, replicated, batch_specs, ref_specs, micro, micro, micro),
-    out_specs=replicated,
+    in_specs=_in_specs(theta, batch, ref_theta, ax, cp_axis),
+    out_specs=PartitionSpec(),
     axis_names={ax} if cp_axis is None else {ax, cp_axis},
   )
   return fn(theta, extra, batch, ref_theta, split(tokens), split(positions), split(segs))
 
 
-def _per_token(key, x, tokens_BS) -> bool:
-  return jnp.ndim(x) >= 2 and x.shape[:2] == tokens_BS.shape
+def _in_specs(theta, batch, ref_theta, ax: str, cp_axis: str | None):
+  """(theta, extra, batch, ref_theta, tokens_M, positions_M, segment_ids_M): layers over 'pp';
+  every per-token array's sequence axis over `cp_axis` (None: whole rows); the rest replicated."""
+  replicated = PartitionSpec()
+  token = PartitionSpec(None, cp_axis)  # [B, S]
+  micro = PartitionSpec(None, None, cp_axis)  # [M, b, S]
+  B_S = batch["tokens"].shape
+  per_token = lambda x: jnp.ndim(x) >= 2 and x.shape[:2] == B_S
+  batch_specs = {k: token if per_token(v) else replicated for k, v in batch.items()}
+  ref_specs = None if ref_theta is None else param_specs(ref_theta, ax)
+  return (param_specs(theta, ax), replicated, batch_specs, ref_specs, micro, micro, micro)
