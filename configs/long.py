@@ -87,6 +87,7 @@ def get_config(arg: str | None = None):
   c.draft.ttt_steps = 4
   c.rl.steps, c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_every = 20, 4, 4, 10
   if arg.long:  # >= 8K tokens per row: a few RL steps to show the whole run works there
+    c.task.num_train, c.task.num_test = 512, 16  # a few steps use a few hundred rows
     c.sft.steps, c.draft.pretrain_steps, c.rl.steps = 6, 3, 3
     c.sft.log_every = c.draft.log_every = 1
     c.eval.every = c.checkpoint.every = 6

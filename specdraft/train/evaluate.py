@@ -11,9 +11,20 @@ from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
 from specdraft.tasks import CharTokenizer, loader
 
+# Long prompt buffers are padded to a multiple of this: prefill attends in tiles (up to 512 rows)
+# that must divide half the prompt length, and a length like 8202 (= 2 * 3 * 1367) leaves tiles
+# of 3 tokens, millions of tile pairs where a round length has a few hundred. Prompts of up to
+# 1024 tokens fit in one tile per half and keep their length.
+PROMPT_MULTIPLE = 128
+
 
 def prompt_len_for(task) -> int:
-  return task.max_length() + 1  # BOS; a safe upper bound on any prompt
+  """A safe upper bound on any prompt (the task's longest, with BOS); above 1024 tokens rounded
+  up to a multiple of PROMPT_MULTIPLE."""
+  n = task.max_length() + 1
+  if n <= 1024:
+    return n
+  return -(-n // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
 
 
 def evaluate(
