@@ -325,3 +325,15 @@ def test_draft_distillation_under_cp_equals_single_device(setup):
   _assert_metrics_close(m4, m1, err="distillation")
   tol.assert_grads_close(g4, g1, rtol=1e-5)
   assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(gp1))
+
+
+def test_long_chunks_are_padded_to_round_lengths():
+  """A chunk of a prime length (521 tokens at cp = 8) would leave attention tiles of one token;
+  chunks above 256 tokens are padded to a multiple of 32, shorter rows keep their length."""
+  from specdraft.attention import ring
+
+  long_row = {"tokens": np.zeros((1, 8328), np.int32)}
+  S = sequence.lay_out(long_row, 8)["tokens"].shape[1]
+  assert S == 8704 and (S // 16) % sequence.CHUNK_MULTIPLE == 0
+  assert min(ring.tile_sizes(S // 8, 0, 256)) >= 32
+  assert sequence.lay_out({"tokens": np.zeros((2, 130), np.int32)}, 1)["tokens"].shape[1] == 130

@@ -44,8 +44,15 @@ from specdraft.rl import grpo
 TOKEN_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "logprobs")
 
 
+# Zigzag chunks longer than 256 tokens are padded to a multiple of CHUNK_MULTIPLE (at most 12%
+# more): the ring's tiles (up to `compute.attn_tile` rows) must divide a chunk, and a prime chunk
+# length (e.g. 521) would leave tiles of one token. Shorter chunks fit in one or two tiles.
+CHUNK_MULTIPLE = 32
+
+
 def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
-  """The batch padded to a multiple of 2·cp·`multiple` tokens and put in zigzag order (host).
+  """The batch padded to a multiple of 2·cp·`multiple` tokens (chunks longer than 256 tokens to
+  a multiple of CHUNK_MULTIPLE) and put in zigzag order (host).
 
   Padding is segment 0, loss mask 0, position 0. Per-row arrays pass through unchanged. Host
   arrays stay on the host (numpy); traced or device arrays are laid out by jax.numpy (inside a
@@ -53,6 +60,10 @@ def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
   S = np.shape(batch["tokens"])[1]
   step = 2 * cp * multiple
   S_pad = -(-S // step) * step
+  chunk = S_pad // (2 * cp)
+  if chunk > 256:  # attention tiles must divide a chunk: keep it a round number
+    S_pad = 2 * cp * (-(-chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
+    S_pad = -(-S_pad // step) * step
   perm = zigzag.permutation(S_pad, cp)
   out = dict(batch)
   for key in TOKEN_KEYS:
