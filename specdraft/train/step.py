@@ -48,15 +48,6 @@ def next_token_targets(batch):
   return targets, w.astype(jnp.float32)
 
 
-def sft_objective(logits, batch):
-  targets, w = next_token_targets(batch)
-  lp = token_logprobs(logits, targets)
-  n = jnp.maximum(w.sum(), 1.0)
-  loss = -(lp * w).sum() / n
-  acc = ((jnp.argmax(logits, -1) == targets) * w).sum() / n
-  return loss, {"loss": loss, "token_accuracy": acc, "tokens": w.sum()}
-
-
 def sft_loss(
   params,
   cfg: pol.PolicyConfig,
