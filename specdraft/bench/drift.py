@@ -23,11 +23,7 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   """Results (results.json, plots) go to `workdir`; the arms' runs (checkpoints, logs) to
   `run_dir`, by default workdir/runs, or runs/<name> when workdir is under docs/results."""
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
-  if run_dir is None:
-    if provenance.is_repo_results_dir(workdir):
-      run_dir = os.path.join(provenance.repo_root(), "runs", os.path.basename(workdir.rstrip("/")))
-    else:
-      run_dir = os.path.join(workdir, "runs")
+  run_dir = run_dir or provenance.run_dir_for(workdir, "runs")
   base_cfg = copy.deepcopy(config)
   base_cfg.rl.steps = 0
   base_dir = os.path.join(run_dir, "base")

@@ -21,11 +21,7 @@ from specdraft.train import loop, report
 
 def run(config, workdir: str, run_dir: str | None = None) -> dict:
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
-  if run_dir is None:
-    if provenance.is_repo_results_dir(workdir):
-      run_dir = os.path.join(provenance.repo_root(), "runs", os.path.basename(workdir.rstrip("/")))
-    else:
-      run_dir = os.path.join(workdir, "run")
+  run_dir = run_dir or provenance.run_dir_for(workdir, "run")
   summary = loop.train_and_evaluate(config, run_dir)
   logs = report.read_logs(run_dir)
   results = {"run": summary, "measured": measured(config, summary, logs["metrics"])}

@@ -95,6 +95,14 @@ def is_repo_results_dir(workdir: str) -> bool:
 _STARTED: dict[str, str | None] = {}
 
 
+def run_dir_for(workdir: str, default_sub: str) -> str:
+  """Where an experiment's own runs (checkpoints, logs) go: runs/<name> at the repository root
+  when `workdir` is a committed results directory (docs/results/<name>), else workdir/<sub>."""
+  if is_repo_results_dir(workdir):
+    return os.path.join(repo_root(), "runs", os.path.basename(workdir.rstrip("/")))
+  return os.path.join(workdir, default_sub)
+
+
 def check_workdir(workdir: str, *, own_outputs_written: bool = False) -> None:
   """Refuses, before any work, to write repository results from an uncommitted tree.
 

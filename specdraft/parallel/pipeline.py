@@ -68,11 +68,15 @@ def _varying_axes(aval) -> set:
   return set(getattr(mat, "varying", ()) or ())
 
 
+def _vary_like(x, aval, axis_name: str):
+  """x varying over `axis_name` and over every axis `aval` varies over (e.g. 'cp' under pp x cp,
+  where per-token values vary over both)."""
+  return jax.lax.pcast(x, tuple(sorted(_varying_axes(aval) | {axis_name})), to="varying")
+
+
 def _zeros_varying_like(s, axis_name: str):
-  """Zeros of `s`'s shape and dtype, varying over `axis_name` and over every axis `s` varies
-  over (e.g. 'cp' under pp x cp, where the objective's per-token outputs vary over both)."""
-  axes = tuple(sorted(_varying_axes(s) | {axis_name}))
-  return jax.lax.pcast(jnp.zeros(s.shape, s.dtype), axes, to="varying")
+  """Zeros of `s`'s shape and dtype, varying like `s` and over `axis_name`."""
+  return _vary_like(jnp.zeros(s.shape, s.dtype), s, axis_name)
 
 
 def split_microbatches(x, num_microbatches: int):
@@ -132,9 +136,8 @@ def gpipe(
   ch0 = None
   if channel is not None:
     # the carry varies wherever the taps do (over 'cp' too when the rows are sequence shards)
-    axes = _varying_axes(buf_aval) | {axis_name}
     ch0 = jax.tree.map(
-      lambda z: jax.lax.pcast(z, tuple(sorted(axes)), to="varying"),
+      lambda z: _vary_like(z, buf_aval, axis_name),
       channel.init(M, buf_aval.shape[1:], buf_aval.dtype),
     )
 

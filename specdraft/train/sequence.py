@@ -230,46 +230,15 @@ def sft_from_hidden(sh: Shards, theta, h_BSE, batch, *, pcfg, vocab_chunk: int =
   return loss, {"loss": loss, "token_accuracy": sh.total(top1 * w) / n, "tokens": n_tokens}
 
 
-def cotrain_body(
-  sh: Shards,
-  theta,
-  phi,
-  ref_theta,
-  batch,
-  *,
-  pcfg,
-  dcfg,
-  rl_cfg,
-  lam: float,
-  train_draft: bool,
-  stop_tap_gradient: bool,
-  max_tokens: int | None,
-  vocab_chunk: int,
-):
-  """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward."""
+def cotrain_body(sh: Shards, theta, phi, ref_theta, batch, *, pcfg, **options):
+  """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward (`options`
+  as in `cotrain_from_hidden`)."""
   h, taps = policy_hidden(theta, pcfg, batch, sh)
   h_ref = None
   if ref_theta is not None:
     ref_theta = jax.lax.stop_gradient(ref_theta)
     h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
-  return cotrain_from_hidden(
-    sh,
-    theta,
-    phi,
-    ref_theta,
-    h,
-    taps,
-    h_ref,
-    batch,
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=rl_cfg,
-    lam=lam,
-    train_draft=train_draft,
-    stop_tap_gradient=stop_tap_gradient,
-    max_tokens=max_tokens,
-    vocab_chunk=vocab_chunk,
-  )
+  return cotrain_from_hidden(sh, theta, phi, ref_theta, h, taps, h_ref, batch, pcfg=pcfg, **options)
 
 
 def cotrain_from_hidden(
