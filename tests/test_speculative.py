@@ -88,6 +88,30 @@ def test_ttt_branches_equal_autoregressive_drafting():
       np.testing.assert_allclose(lg[0, 0], logits[k, 0, t], atol=2e-5)
 
 
+def test_draft_prefill_equals_cached_steps_on_padded_prompts():
+  """The tiled prefill (no [B, T, C] mask) == the dense cached step, on right-padded rows of
+  different lengths, including what it writes into the cache at the valid entries."""
+  pcfg, dcfg, params, dparams = small_models()
+  B, T, C = 3, 12, 20
+  tokens = jax.random.randint(jax.random.key(3), (B, T), 3, 16)
+  lengths = jnp.array([12, 7, 1], jnp.int32)
+  _, taps = jax.jit(pol.forward, static_argnums=1)(params, pcfg, tokens)
+  feats = eagle3.fuse(dparams, taps.layers, dcfg)
+  cache = eagle3.init_cache(dcfg, B, C)
+  lg, h, pc = eagle3.prefill(dparams, dcfg, params["embed"], cache, feats, tokens, lengths)
+  lg_ref, h_ref, sc = eagle3.step(dparams, dcfg, params["embed"], cache, feats, tokens)
+  np.testing.assert_array_equal(pc.lengths, lengths)
+  for b, n in enumerate(np.asarray(lengths)):
+    np.testing.assert_allclose(lg[b, :n], lg_ref[b, :n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(h[b, :n], h_ref[b, :n], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pc.k[b, :n], sc.k[b, :n], rtol=1e-6, atol=1e-6)
+  # the next step reads the prefilled cache as it would read the stepped one
+  nxt = tokens[:, :1]
+  a = eagle3.step(dparams, dcfg, params["embed"], pc, h[:, :1], nxt)[0]
+  b_ = eagle3.step(dparams, dcfg, params["embed"], sc._replace(lengths=lengths), h[:, :1], nxt)[0]
+  np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
+
+
 def test_ttt_loss_decreases_and_ignores_policy_gradient():
   from specdraft.train import draft as draft_lib
 

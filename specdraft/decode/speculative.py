@@ -70,6 +70,11 @@ class _Models:
   def draft_step(self, dcache, feats_BTE, tokens_BT):
     return eagle3.step(self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT)
 
+  def draft_prefill(self, dcache, feats_BTE, tokens_BT, lengths_B):
+    return eagle3.prefill(
+      self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT, lengths_B
+    )
+
   def fuse(self, tapped_layers):
     """The draft's input features from the policy's tapped layer outputs (Taps.layers)."""
     return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
@@ -102,13 +107,13 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, tempera
   shifted_BS = jnp.concatenate([prompt_BS[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
   d_tokens_BS = jnp.where(jnp.arange(S)[None] == last[:, None], c_B[:, None], shifted_BS)
   dcache = eagle3.init_cache(models.dcfg, B, capacity)
-  d_logits_BSV, d_hidden_BSE, dcache = models.draft_step(
-    dcache, models.fuse(taps.layers), d_tokens_BS
+  d_logits_BSV, d_hidden_BSE, dcache = models.draft_prefill(
+    dcache, models.fuse(taps.layers), d_tokens_BS, prompt_lengths_B
   )
   return {
     "key": key,
     "pcache": pcache,
-    "dcache": dcache._replace(lengths=prompt_lengths_B.astype(jnp.int32)),
+    "dcache": dcache,
     "c": c_B,
     "q_logits": d_logits_BSV[rows, last],
     "h": d_hidden_BSE[rows, last],

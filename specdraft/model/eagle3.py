@@ -403,6 +403,27 @@ def init_cache(cfg: DraftConfig, batch: int, capacity: int) -> DraftCache:
   return DraftCache(z, z, jnp.zeros((batch,), jnp.int32))
 
 
+def prefill(
+  dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT, lengths_B
+):
+  """Writes a right-padded prompt's T entries into an empty cache at 0..T-1.
+
+  The entries attend to each other causally through the tiled attention of the training path, so
+  no [B, T, C] mask or score tensor exists however long the prompt (at 8K tokens and 8 rows the
+  dense form is gigabytes). Entries at and past `lengths_B` are padding: written, never read
+  (later steps overwrite them). Returns (logits_BTV, hidden_BTE, cache with lengths = lengths_B).
+  """
+  B, T = tokens_BT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  q, k, v = _qkv(dp, embed_table, feat_BTE, tokens_BT, positions, cfg)
+  start = jnp.zeros((B,), jnp.int32)
+  ck, cv = pol._write_rows(cache.k, k, start), pol._write_rows(cache.v, v, start)
+  valid = (positions < lengths_B[:, None]).astype(jnp.int32)
+  o = pol.tiled_attention()(q, k, v, positions, valid)
+  h = _finish(dp, feat_BTE, o, cfg)
+  return logits_of(dp, h, cfg), h, DraftCache(ck, cv, lengths_B.astype(jnp.int32))
+
+
 def step(dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT):
   """Appends T draft entries (feature, next token) at lengths..lengths+T-1 and runs the layer.
 

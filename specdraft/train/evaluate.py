@@ -45,9 +45,7 @@ def evaluate(
     chunk = examples[i : i + batch_size]
     padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
     prompts_BS, lengths_B = loader.prompt_batch(padded, tok, prompt_len)
-    if sharding is not None:
-      rows = sharding.update(spec=PartitionSpec(*sharding.spec[:1]))
-      prompts_BS, lengths_B = jax.device_put((prompts_BS, lengths_B), (sharding, rows))
+    prompts_BS, lengths_B = _place_rows(prompts_BS, lengths_B, sharding)
     gen = autoregressive.generate(
       params,
       pcfg,
@@ -65,12 +63,21 @@ def evaluate(
   return {"accuracy": float(np.mean(rewards)), "samples": samples}
 
 
+def _place_rows(prompts_BS, lengths_B, sharding):
+  """Rows over the layout's row axes (data, fsdp, cp): decoding rows are independent."""
+  if sharding is None:
+    return prompts_BS, lengths_B
+  rows = sharding.update(spec=PartitionSpec(*sharding.spec[:1]))
+  return jax.device_put((prompts_BS, lengths_B), (sharding, rows))
+
+
 def rollout_report(ctx, params, dparams, *, repeats: int = 3) -> dict:
   """SD vs AR on `eval.batch_size` held-out prompts at `eval.sd_temperature` and G =
-  `decode.num_draft` (figures defined in decode/compare.py)."""
+  `decode.num_draft` (figures defined in decode/compare.py), rows sharded as in rollouts."""
   c = ctx.config
   exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(c.eval.batch_size)]
   prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  prompts_BS, lengths_B = _place_rows(prompts_BS, lengths_B, ctx.rows_sh)
   return compare_rollouts(
     params,
     dparams,
