@@ -56,7 +56,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         min_digits=1, max_digits=3, num_operands=2, formats="columns", reward_format=""
       ),
       countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
-      retrieval=dict(num_records=64, key_len=3, value_len=3, hops=1, queries=1),
+      retrieval=dict(
+        num_records=64, key_len=3, value_len=3, hops=1, queries=1, min_records=0, query_end=":"
+      ),
       jsonl=dict(path=""),
     )
   )
@@ -100,6 +102,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=8,
       group_size=8,
       temperature=1.0,
+      top_k=0,  # 0: off
+      top_p=1.0,  # 1: off; rollouts and the RL loss's log-probs use the same truncation
       lr=2e-4,
       grad_clip=1.0,
       b2=0.98,

@@ -115,6 +115,20 @@ def _validate_decoding(config) -> None:
   ):
     if value < 0:
       _fail(field, value, "must be >= 0 (0 = greedy)")
+  rl = config.rl
+  top_k, top_p = rl.get("top_k", 0), rl.get("top_p", 1.0)
+  if int(top_k) != top_k or top_k < 0:
+    _fail("rl.top_k", top_k, "must be an integer >= 0 (0 = off)")
+  if not 0.0 < top_p <= 1.0:
+    _fail("rl.top_p", top_p, "must be in (0, 1] (1 = off)")
+  if (top_k or top_p < 1.0) and rl.beta > 0:
+    _fail(
+      "rl.top_k/rl.top_p",
+      (top_k, top_p),
+      "truncated sampling cannot be combined with a KL term (rl.beta > 0): the reference policy's "
+      "truncated distribution may give a sampled token zero mass; set rl.beta = 0 or turn "
+      "truncation off (top_k = 0, top_p = 1)",
+    )
 
 
 def _validate_draft(config) -> None:

@@ -39,6 +39,8 @@ def test_parse_arg():
     ("task.name", "sudoku", "task.name='sudoku'"),
     ("data.seq_len", 8, r"data.seq_len=8 .*needs"),
     ("rl.temperature", -1.0, r"rl.temperature=-1.0 is invalid"),
+    ("rl.top_p", 0.0, r"rl.top_p=0.0 is invalid: must be in \(0, 1\]"),
+    ("rl.top_k", -2, r"rl.top_k=-2 is invalid"),
     ("data.batch_size", 6, r"data.batch_size=6 .*data\*fsdp=8"),
     ("parallel.mesh.data", 4, "mesh size 4 .* cover 8 devices"),
     ("parallel.devices", 16, r"parallel.devices=16 is invalid"),
@@ -53,6 +55,13 @@ def test_invalid_configs_name_the_field(field, value, match):
     node = node[p]
   node[last] = value
   with pytest.raises(ValueError, match=match):
+    config_lib.validate(c)
+
+
+def test_truncated_sampling_with_a_kl_term_is_refused():
+  c = default_config.get_config("layout=dp8")
+  c.rl.top_k, c.rl.beta = 5, 0.01
+  with pytest.raises(ValueError, match=r"rl.top_k/rl.top_p=\(5, 1.0\).*rl.beta"):
     config_lib.validate(c)
 
 

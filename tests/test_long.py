@@ -50,6 +50,27 @@ def test_multi_query_retrieval_gives_partial_credit():
     Retrieval(num_records=4, queries=3, hops=2)
 
 
+def test_retrieval_record_count_range():
+  task = Retrieval(num_records=12, min_records=3, queries=2)
+  rng = np.random.default_rng(0)
+  counts = {task.sample(rng).prompt.count(";") for _ in range(200)}
+  assert counts == set(range(3, 13))  # every count in [min_records, num_records] is drawn
+  ex = task.sample(rng)
+  assert task.reward(ex, task.solve(ex.prompt)) == 1.0
+  assert {Retrieval(num_records=5).sample(rng).prompt.count(";") for _ in range(5)} == {5}
+  with pytest.raises(ValueError, match="min_records must be 0"):
+    Retrieval(num_records=12, min_records=1, queries=2)
+  with pytest.raises(ValueError, match="min_records must be 0"):
+    Retrieval(num_records=12, min_records=13)
+  # the query written like a record's start: the answer continues the copy
+  ex = Retrieval(num_records=6, query_end="=").sample(rng)
+  key = ex.prompt[ex.prompt.index("?") + 1 : -1]
+  assert ex.prompt.endswith("=") and f"{key}={ex.answer};" in ex.prompt
+  assert Retrieval(num_records=6, query_end="=").reward(ex, ex.answer) == 1.0
+  with pytest.raises(ValueError, match="query_end"):
+    Retrieval(num_records=6, query_end="=", queries=2)
+
+
 @pytest.mark.slow  # ~3 min each; `make test-slow` (and CI) run them
 @pytest.mark.parametrize("layout", ["cp8", "pp2_cp2_dp2"])
 def test_long_context_smoke_run(tmp_path, layout):

@@ -101,21 +101,31 @@ def test_drift_seed_statistics_use_the_sample_std_and_a_t_interval():
 def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):
   from specdraft.bench import readme
 
-  rows = [
-    {"ttt_steps": 1, "rl_only_s": 1.0, "cotrain_s": 1.087, "ratio": 1.087},
-    {"ttt_steps": 7, "rl_only_s": 1.0, "cotrain_s": 1.823, "ratio": 1.823},
-  ]
+  def row(k, cotrain_s, bound):
+    return {
+      "policy_layers": 12,
+      "ttt_steps": k,
+      "rl_only_s": 1.0,
+      "cotrain_s": cotrain_s,
+      "draft_alone_s": 0.5,
+      "ratio": cotrain_s,
+      "flop_bound": bound,
+      "ratio_over_bound": cotrain_s / bound,
+      "extra_over_draft_alone": (cotrain_s - 1.0) / 0.5,
+    }
+
+  rows = [row(1, 1.087, 1.1), row(7, 1.823, 1.5)]
   payload = {
-    "policy_layers": 12,
     "d_model": 128,
     "batch_size": 64,
     "seq_len": 64,
     "repeats": 7,
     "rows": rows,
-    "ratio_by_ttt_steps": {"1": 1.087, "7": 1.823},
+    "by_case": {f"L12_K{r['ttt_steps']}": r for r in rows},
   }
   goals = {
-    f"ratio_k{k}": {"metric": f"ratio_by_ttt_steps.{k}", "op": "<=", "target": 1.15} for k in (1, 7)
+    f"L12_K{k}_bound": {"metric": f"by_case.L12_K{k}.ratio_over_bound", "op": "<=", "target": 1.1}
+    for k in (1, 7)
   }
   out = provenance.write_results(
     str(tmp_path / "docs" / "results" / "bench_step"), payload, goals=goals, command=["x.py"]
@@ -130,8 +140,8 @@ def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp
   block = readme.split(text)[1]
   assert "`docs/results/bench_step/results.json`" in block and "`python x.py`" in block
   assert out["commit"][:12] in block
-  assert "| 7 | 1000 | 1823 | 1.82 |" in block
-  assert "1 of 2 met; missed: `ratio_k7`" in block
+  assert "| 12 | 7 | 1000 | 1823 | 500 | 1.82 | 1.50 | 1.22 | 1.65 |" in block
+  assert "1 of 2 met; missed: `L12_K7_bound`" in block
 
 
 def test_readme_measured_section_is_generated_from_the_results_files():

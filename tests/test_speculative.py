@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from specdraft.decode import autoregressive, rejection, speculative
-from specdraft.decode.sampling import join_prompt_completion
+from specdraft.decode.sampling import Sampling, join_prompt_completion, logprob_at, probs_at
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 
@@ -411,3 +411,85 @@ def test_two_sample_test_has_power_against_a_broken_sampler(two_sample_setup):
     sampler=broken_rejection_sample,
   )
   assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6
+
+
+# ----------------------------------------------------------------------------- sampling settings
+
+SETTINGS = [
+  Sampling(0.7, 0, 1.0),  # temperature only
+  Sampling(1.0, 3, 1.0),  # top-k
+  Sampling(1.0, 0, 0.8),  # top-p
+  Sampling(1.3, 4, 0.9),  # all three
+]
+
+
+def test_processed_logits_by_hand():
+  logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+  keep = lambda *a: np.asarray(probs_at(logits, *a)) > 0
+  np.testing.assert_array_equal(keep(1.0, 2), [1, 1, 0, 0])
+  np.testing.assert_array_equal(keep(1.0, 0, 0.7), [1, 1, 0, 0])  # mass before 0.15 is 0.8
+  np.testing.assert_array_equal(keep(1.0, 0, 0.5), [1, 0, 0, 0])  # mass before 0.3 is 0.5
+  np.testing.assert_array_equal(keep(1.0, 3, 0.95), [1, 1, 1, 0])
+  np.testing.assert_allclose(probs_at(logits, 1.0, 2), [0.625, 0.375, 0, 0], rtol=1e-6)
+  # temperature first: at T = 2 the probabilities flatten before top-p reads them
+  flat = np.sqrt([0.5, 0.3, 0.15, 0.05])
+  np.testing.assert_allclose(probs_at(logits, 2.0), flat / flat.sum(), rtol=1e-6)
+  # ties at the cut are kept, so the set never depends on the order of equal logits
+  np.testing.assert_array_equal(np.asarray(probs_at(jnp.zeros(4), 1.0, 2)) > 0, [1, 1, 1, 1])
+  # the behaviour log-prob is of the distribution sampled
+  lp = logprob_at(logits[None], jnp.array([1]), 1.0, 2)
+  np.testing.assert_allclose(lp, [np.log(0.375)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s[0]}_k{s[1]}_p{s[2]}")
+def test_sd_and_ar_sample_the_same_truncated_distribution(two_sample_setup, setting):
+  """Losslessness under each sampling setting: SD rows and AR rows are one distribution, and
+  that distribution is not the untruncated one at temperature 1 (the setting took effect)."""
+  pcfg, dcfg, params, dparams, prompts, lengths, ar_t1 = two_sample_setup
+  prompts, lengths = prompts[:12_000], lengths[:12_000]  # 4 settings: fewer rows each
+  kw = dict(max_new_tokens=3, temperature=setting[0], top_k=setting[1], top_p=setting[2])
+  ar = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(2), **kw)
+  sd = speculative.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(3), num_draft=2, **kw
+  )
+  assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
+  assert _two_sample_pvalue(ar.tokens, ar_t1.tokens) < 1e-6
+  # behaviour log-probs: the sampled distribution, recomputed from a full forward
+  few = sd._replace(tokens=sd.tokens[:64], logprobs=sd.logprobs[:64], lengths=sd.lengths[:64])
+  batch = join_prompt_completion(prompts[:64], lengths[:64], few)
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+  want = logprob_at(logits[:, 2:5], sd.tokens[:64], *setting)
+  valid = np.arange(3)[None] < np.asarray(sd.lengths[:64])[:, None]
+  got = np.asarray(sd.logprobs[:64])
+  np.testing.assert_allclose(got[valid], np.asarray(want)[valid], rtol=1e-4, atol=1e-4)
+  assert np.all(np.isfinite(np.asarray(sd.logprobs)))
+
+
+def test_training_logprobs_use_the_rollout_distribution():
+  """The RL loss's log pi (sequence.next_token_scores, vocabulary in chunks) is the rollouts'
+  behaviour distribution: the ratio is exactly what was sampled, with finite gradients."""
+  from specdraft.train import sequence
+
+  pcfg, _, params, _ = small_models(V=16)
+  tokens = jax.random.randint(jax.random.key(4), (2, 12), 3, 16)
+  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  seg = jnp.ones((2, 12), jnp.int32)
+  logits, _ = pol.forward(params, pcfg, tokens, pos, seg)
+  nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1)
+  for setting in SETTINGS:
+    h, _ = pol.hidden(params, pcfg, tokens, pos, seg)
+    lp, ent, _ = sequence.next_token_scores(params, pcfg, h, nxt, vocab_chunk=4, sampling=setting)
+    want = logprob_at(logits, nxt, *setting)
+    fin = np.asarray(want) > -1e3  # tokens outside the kept set: MASKED, finite
+    np.testing.assert_allclose(np.asarray(lp)[fin], np.asarray(want)[fin], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(lp))) and np.all(np.isfinite(np.asarray(ent)))
+    g = jax.grad(
+      lambda th: jnp.sum(
+        jnp.where(
+          fin,
+          sequence.next_token_scores(th, pcfg, h, nxt, vocab_chunk=4, sampling=setting)[0],
+          0.0,
+        )
+      )
+    )(params)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g))

@@ -156,6 +156,21 @@ def branch_local(q_BSWHD, k_BSWKD, v_BSWKD, seg_BS, branch: str):
   return out.reshape(B, S, W, H, D), lse.reshape(B, H, S, W)
 
 
+def row_local(q_BSHD, k_BSWKD, v_BSWKD, seg_BS):
+  """One query per anchor against W keys of that same anchor, all visible (the newest TTT step
+  against the branch keys of steps 1..W at its anchor; rank-local).
+
+  Returns (out_BSHD f32, lse_BHS f32); rows with segment 0 give (0, -inf)."""
+  B, S, H, D = q_BSHD.shape
+  K = k_BSWKD.shape[3]
+  q = q_BSHD.astype(jnp.float32).reshape(B, S, K, H // K, D)
+  s = jnp.einsum("btkqd,btikd->bkqti", q, k_BSWKD.astype(jnp.float32)) * D**-0.5
+  mask = jnp.broadcast_to((seg_BS != 0)[:, None, None, :, None], s.shape)
+  p, lse = reference.masked_softmax(s, mask)
+  out = jnp.einsum("bkqti,btikd->btkqd", p, v_BSWKD.astype(jnp.float32))
+  return out.reshape(B, S, H, D), lse.reshape(B, H, S)
+
+
 def _branch_mask(seg_BS, W, branch):
   vis = jnp.tril(jnp.ones((W, W), bool)) if branch == "ttt" else jnp.ones((W, W), bool)
   return vis[None, None, None, None] & (seg_BS != 0)[:, None, None, :, None, None]

@@ -424,10 +424,13 @@ def _branch_bwd(
 def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
   del acc_dtype  # the backward always accumulates in float32
   q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse = res
-  do, do_br = cotangents
+  do, do_br, dlse = cotangents
   pl = _plan(q, k, q_br, branch, tile, skip)
-  axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br)
+  axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br, dlse)
+  # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent on lse adds P * dlse
+  # (d lse / d s = P), i.e. delta - dlse. Rows with nothing visible have P = 0 either way.
   delta = _delta_rows(pl, (do, do_br), (out, out_br), seg, axes)
+  delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(_F32), 0.0)
   # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
   # final casts read them in place)
   dq, dq_br = _vary((jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)), axes)
@@ -471,13 +474,13 @@ def _like(ct, primal):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
 def _ring(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
-  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:2]
+  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:3]
 
 
 def _ring_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
   out, out_br, lse, _ = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
-  return (out, out_br), (q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse)
+  return (out, out_br, lse), (q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse)
 
 
 _ring.defvjp(_ring_fwd, _backward)
@@ -501,6 +504,7 @@ def ring_attention_shard(
   accumulate_dtype=jnp.float32,
   skip_empty=True,
   return_work=False,
+  return_lse=False,
 ):
   """Per-device ring trunk + local branch attention (call inside shard_map).
 
@@ -511,7 +515,10 @@ def ring_attention_shard(
   reference for the custom backward); `accumulate_dtype` exists for the test that shows why the
   state is float32; `skip_empty=False` computes every tile pair (to measure what skipping saves);
   `return_work=True` also returns the number of (query tile, key tile) pairs this rank computed
-  in the forward (the backward computes the same pairs).
+  in the forward (the backward computes the same pairs). `return_lse=True` also returns the
+  float32 log-sum-exp of every query row, lse [B,L,R,H] (R = 1 + W: the trunk row, then the
+  branch rows; -inf where nothing is visible), differentiable like the outputs, for merging with
+  attention over other keys (`blockwise.merge`).
   """
   if q.shape[1] % 2:
     raise ValueError(f"local length {q.shape[1]} must be two equal zigzag chunks (S % 2cp == 0)")
@@ -527,8 +534,10 @@ def ring_attention_shard(
     out, out_br, _, count = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
     return out, out_br, count
   if custom_grad:
-    return _ring(q, k, v, q_br, k_br, v_br, seg, pos, *kw.values())
-  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:2]
+    out = _ring(q, k, v, q_br, k_br, v_br, seg, pos, *kw.values())
+  else:
+    out = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:3]
+  return out if return_lse else out[:2]
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -580,14 +589,19 @@ def allgather_attention_shard(
 # ----------------------------------------------------------------------------- trunk only
 
 
-def trunk_attention_shard(q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512):
-  """Packed causal attention of a trunk with no branch (W = 0): the policy's layers in training.
+def trunk_attention_shard(
+  q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512, return_lse=False, custom_grad=True
+):
+  """Packed causal attention of a trunk with no branch (W = 0): the policy's layers in training,
+  and (with `return_lse`) the trunk part of a draft's TTT branch rows (model/eagle3.py).
 
   The same tiled online softmax and custom backward as `ring_attention_shard`; at cp = 1 (no
   collective, callable outside shard_map) it is a flash-style attention over one device's row, so
   no [B, S, S] mask or score tensor exists. q [B,L,H,D], k/v [B,L,K,D], seg/pos [B,L] (pos: any
   order-preserving position within a segment, e.g. the RoPE positions). An odd L (cp = 1 only)
-  is padded by one invisible row. Returns out [B,L,H,D] in q's dtype."""
+  is padded by one invisible row. Returns out [B,L,H,D] in q's dtype, and with `return_lse` also
+  lse [B,H,L] float32 (-inf where nothing is visible; the convention of `blockwise.merge`).
+  `custom_grad=False` differentiates the forward by autodiff (the reference in tests)."""
   B, L, H, D = q.shape
   K = k.shape[2]
   odd = L % 2
@@ -597,7 +611,7 @@ def trunk_attention_shard(q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512):
     pad = lambda x: jnp.pad(x, [(0, 0), (0, 1)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, seg, pos = (pad(x) for x in (q, k, v, seg, pos))
   n = L + odd
-  out, _ = ring_attention_shard(
+  out, _, lse = ring_attention_shard(
     q,
     k,
     v,
@@ -610,5 +624,9 @@ def trunk_attention_shard(q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512):
     axis_name=axis_name,
     cp=cp,
     tile=tile,
+    custom_grad=custom_grad,
+    return_lse=True,
   )
+  if return_lse:
+    return out[:, :L], jnp.moveaxis(lse[:, :L, 0], 1, 2)
   return out[:, :L]

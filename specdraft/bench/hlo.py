@@ -1,9 +1,13 @@
-"""Collective traffic read from a compiled (per-device, SPMD-partitioned) HLO module.
+"""Collective traffic and matmul FLOPs read from a compiled (per-device) HLO module.
 
 Every `collective-permute` (sync or `-start`) is listed with its source->target pairs, the bytes
 of its operand(s), and how many times it runs: the product of the trip counts
 (`known_trip_count`) of the while loops around it. Wire bytes = operand bytes x pairs x runs
 (each pair moves one copy of the operand).
+
+`dot_flops` counts the FLOPs of every `dot` the same way, times its runs. XLA's own
+`compiled.cost_analysis()["flops"]` counts a while loop's body once, whatever its trip count,
+so a policy whose layers run under `lax.scan` would be undercounted by about its depth.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ _CALLEES = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?\[[0-9,]*\])")
+_DOT = re.compile(r" dot\(%?([\w.\-]+), %?([\w.\-]+)\)")
+_LHS_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
@@ -146,3 +153,33 @@ def summarize(permutes: list[Permute]) -> dict:
     "total_bytes": fwd + bwd,
     "num_ops": len(permutes),
   }
+
+
+def _dims(shape_text: str) -> list[int]:
+  m = _ARRAY.search(shape_text)
+  return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def dot_flops(hlo: str) -> int:
+  """FLOPs of every dot in the program per run: 2 x (result elements) x (contracted size),
+  times the runs of its computation (loop trip counts included). Elementwise work is left out:
+  this is the matmul work that dominates a transformer step."""
+  comps = _computations(hlo)
+  runs = _run_counts(hlo, comps)
+  total = 0
+  for comp, lines in comps.items():
+    shapes = {}
+    for line in lines:
+      d = _DEF.match(line)
+      if d:
+        shapes[d.group(1)] = d.group(2)
+    for line in lines:
+      m, d = _DOT.search(line), _DEF.match(line)
+      if not (m and d):
+        continue
+      lhs = _dims(shapes.get(m.group(1), ""))
+      contract = _LHS_CONTRACT.search(line)
+      idx = [int(i) for i in contract.group(1).split(",") if i] if contract else []
+      k = math.prod(lhs[i] for i in idx) if lhs else 0
+      total += 2 * math.prod(_dims(d.group(2))) * k * max(runs.get(comp, 1), 1)
+  return total

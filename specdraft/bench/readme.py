@@ -131,16 +131,41 @@ def rollout(r: dict) -> str:
 
 def step(r: dict) -> str:
   rows = [
-    [x["ttt_steps"], f"{x['rl_only_s'] * 1e3:.0f}", f"{x['cotrain_s'] * 1e3:.0f}", _f(x["ratio"])]
+    [
+      x["policy_layers"],
+      x["ttt_steps"],
+      f"{x['rl_only_s'] * 1e3:.0f}",
+      f"{x['cotrain_s'] * 1e3:.0f}",
+      f"{x['draft_alone_s'] * 1e3:.0f}",
+      _f(x["ratio"]),
+      _f(x["flop_bound"]),
+      _f(x["ratio_over_bound"]),
+      _f(x["extra_over_draft_alone"], 2),
+    ]
     for x in r["rows"]
   ]
   head = (
     "### Co-training step vs RL-only step\n\n"
-    f"The same batch ({r['batch_size']}×{r['seq_len']} tokens) through a "
-    f"{r['policy_layers']}-layer policy (d={r['d_model']}), the two steps timed interleaved, "
-    f"median of {r['repeats']} rounds, for each number K of TTT steps."
+    f"The same batch ({r['batch_size']}×{r['seq_len']} tokens) through policies of width "
+    f"{r['d_model']} and depth L with a one-layer draft; the RL-only step, the co-training step "
+    f"and the draft's TTT loss alone (forward + backward) timed interleaved, median of "
+    f"{r['repeats']} rounds. The FLOP bound is 1 + draft / RL-only matmul FLOPs read from the "
+    "compiled programs (loop trip counts included): the co-training step cannot cost less."
   )
-  table = _table(["TTT steps K", "RL-only ms", "co-train ms", "co-train / RL-only"], rows)
+  table = _table(
+    [
+      "L",
+      "TTT steps K",
+      "RL-only ms",
+      "co-train ms",
+      "draft alone ms",
+      "co-train / RL-only",
+      "FLOP bound",
+      "ratio / bound",
+      "(co-train − RL-only) / draft alone",
+    ],
+    rows,
+  )
   return head + "\n\n" + table
 
 

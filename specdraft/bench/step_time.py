@@ -1,4 +1,14 @@
-"""Co-training step vs RL-only step, timed side by side in one run (experiments/bench_step.py)."""
+"""Co-training step vs RL-only step, timed side by side in one run (experiments/bench_step.py).
+
+Per case (policy depth L, TTT steps K, a one-layer draft): the RL-only step, the co-training
+step and the draft's TTT loss alone (forward + backward from fixed policy features) are compiled
+and timed interleaved on the same batch. Their matmul FLOPs are read from the compiled programs
+(`bench.hlo.dot_flops`, loop trip counts included). The co-training step cannot cost less than
+RL-only + the draft's own work, so its FLOP bound, as a ratio to RL-only, is
+1 + draft FLOPs / RL-only FLOPs; `ratio_over_bound` is how far the measured time ratio sits
+above it, `extra_over_draft_alone` what the co-training step adds over RL-only in units of the
+draft alone's time.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdraft.bench import provenance
+from specdraft.bench import hlo, provenance
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import CharTokenizer
+from specdraft.train import sequence
 from specdraft.train import step as step_lib
 
 
@@ -33,62 +44,107 @@ def synthetic_batch(B: int, S: int, V: int, seed: int = 0):
   }
 
 
+def _programs(config, pcfg, dcfg, batch, *, vocab_chunk: int, attn_tile: int):
+  """The three programs timed side by side: an RL-only step, a co-training step (both with their
+  optimizer update) and the draft's TTT loss alone, forward + backward, from the policy's
+  (fixed, precomputed) final hidden state and taps. Returns ({name: jitted}, {name: args})."""
+  params = pol.init_params(pcfg, 0)
+  dparams = eagle3.init_params(dcfg, 1, params, pcfg)
+  fns, args = {}, {}
+  for name, train_draft in (("rl_only", False), ("cotrain", True)):
+    tx = step_lib.make_cotrain_optimizer(config.rl, config.draft, train_draft=train_draft)
+    tr = {"policy": params, "draft": dparams}
+    fns[name] = jax.jit(
+      functools.partial(
+        step_lib.cotrain_step,
+        pcfg=pcfg,
+        dcfg=dcfg,
+        rl_cfg=config.rl,
+        tx=tx,
+        lam=config.rl.lam,
+        train_draft=train_draft,
+        vocab_chunk=vocab_chunk,
+        attn_tile=attn_tile,
+      )
+    )
+    args[name] = ({"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}, batch)
+  sh = sequence.Shards(tile=attn_tile)
+  h, taps = jax.jit(lambda th, b: sequence.policy_hidden(th, pcfg, b, sh))(params, batch)
+
+  def draft_alone(phi, theta, h, taps, b):
+    loss = lambda ph: sequence.draft_terms(
+      sh, theta, ph, h, taps, b, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk
+    )[0]
+    return jax.value_and_grad(loss)(phi)
+
+  fns["draft_alone"] = jax.jit(draft_alone)
+  args["draft_alone"] = (dparams, params, h, taps, batch)
+  return fns, args
+
+
+def _case(config, layers: int, ttt_steps: int, b) -> dict:
+  """One (policy depth, K) case: compiled matmul FLOPs of each program, then interleaved timing."""
+  model = config.model.copy_and_resolve_references()
+  model.n_layers = layers
+  pcfg = pol.PolicyConfig.from_config(model, CharTokenizer().vocab_size)
+  draft_cfg = config.draft.copy_and_resolve_references()
+  draft_cfg.ttt_steps = ttt_steps
+  dcfg = eagle3.DraftConfig.from_config(draft_cfg, pcfg)
+  batch = sequence.lay_out(synthetic_batch(b.batch_size, b.seq_len, pcfg.vocab_size), 1)
+  batch = jax.tree.map(jnp.asarray, batch)
+  fns, args = _programs(
+    config, pcfg, dcfg, batch, vocab_chunk=config.compute.vocab_chunk, attn_tile=b.attn_tile
+  )
+  flops = {k: hlo.dot_flops(f.lower(*args[k]).compile().as_text()) for k, f in fns.items()}
+  for k, f in fns.items():
+    jax.block_until_ready(f(*args[k]))  # compile + warm-up
+  times = {k: [] for k in fns}
+  for _ in range(b.repeats):  # interleaved, so a slow phase of the machine hits every program
+    for k, f in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args[k]))
+      times[k].append(time.perf_counter() - t0)
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  flop_ratio = flops["draft_alone"] / flops["rl_only"]
+  ratio = med["cotrain"] / med["rl_only"]
+  return {
+    "policy_layers": layers,
+    "ttt_steps": ttt_steps,
+    "rl_only_s": med["rl_only"],
+    "cotrain_s": med["cotrain"],
+    "draft_alone_s": med["draft_alone"],
+    "ratio": ratio,
+    "flops": flops,
+    "draft_over_rl_flops": flop_ratio,
+    "flop_bound": 1.0 + flop_ratio,
+    "ratio_over_bound": ratio / (1.0 + flop_ratio),
+    "cotrain_flops_over_sum": flops["cotrain"] / (flops["rl_only"] + flops["draft_alone"]),
+    "extra_over_draft_alone": (med["cotrain"] - med["rl_only"]) / med["draft_alone"],
+  }
+
+
 def run(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   os.makedirs(workdir, exist_ok=True)
-  pcfg = pol.PolicyConfig.from_config(config.model, CharTokenizer().vocab_size)
   b = config.bench_step
   results = {
-    "policy_layers": pcfg.n_layers,
-    "d_model": pcfg.d_model,
+    "d_model": config.model.d_model,
+    "draft_layers": 1,
     "batch_size": b.batch_size,
     "seq_len": b.seq_len,
     "repeats": b.repeats,
     "rows": [],
-    "ratio_by_ttt_steps": {},
+    "by_case": {},
   }
-  for ttt_steps in b.ttt_steps:
-    draft_cfg = config.draft.copy_and_resolve_references()
-    draft_cfg.ttt_steps = ttt_steps
-    dcfg = eagle3.DraftConfig.from_config(draft_cfg, pcfg)
-    params = pol.init_params(pcfg, 0)
-    dparams = eagle3.init_params(dcfg, 1, params, pcfg)
-    batch = synthetic_batch(b.batch_size, b.seq_len, pcfg.vocab_size)
-    fns, states = {}, {}
-    for name, train_draft in (("rl_only", False), ("cotrain", True)):
-      tx = step_lib.make_cotrain_optimizer(config.rl, config.draft, train_draft=train_draft)
-      tr = {"policy": params, "draft": dparams}
-      states[name] = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
-      fns[name] = jax.jit(
-        functools.partial(
-          step_lib.cotrain_step,
-          pcfg=pcfg,
-          dcfg=dcfg,
-          rl_cfg=config.rl,
-          tx=tx,
-          lam=config.rl.lam,
-          train_draft=train_draft,
-        )
-      )
-      jax.block_until_ready(fns[name](states[name], batch))  # compile + warm-up
-    times = {k: [] for k in fns}
-    for _ in range(b.repeats):  # interleaved
-      for name, f in fns.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(states[name], batch))
-        times[name].append(time.perf_counter() - t0)
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    row = {
-      "ttt_steps": ttt_steps,
-      "rl_only_s": med["rl_only"],
-      "cotrain_s": med["cotrain"],
-      "ratio": med["cotrain"] / med["rl_only"],
-    }
+  for layers, ttt_steps in b.cases:
+    row = _case(config, layers, ttt_steps, b)
     results["rows"].append(row)
-    results["ratio_by_ttt_steps"][str(ttt_steps)] = row["ratio"]
+    results["by_case"][f"L{layers}_K{ttt_steps}"] = row
     print(
-      f"ttt_steps={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms vs RL-only "
-      f"{row['rl_only_s'] * 1e3:.1f} ms -> ratio {row['ratio']:.3f}",
+      f"L={layers} K={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms, RL-only "
+      f"{row['rl_only_s'] * 1e3:.1f} ms, draft alone {row['draft_alone_s'] * 1e3:.1f} ms -> "
+      f"ratio {row['ratio']:.3f} vs FLOP bound {row['flop_bound']:.3f} "
+      f"({row['ratio_over_bound']:.3f}x); extra / draft alone {row['extra_over_draft_alone']:.2f}",
       flush=True,
     )
   results = provenance.write_results(workdir, results, goals=provenance.goals_from_config(b.goals))

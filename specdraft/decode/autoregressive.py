@@ -11,12 +11,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdraft.decode.sampling import Generation, sample
+from specdraft.decode.sampling import Generation, logprob_at, sample
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature"))
+@functools.partial(
+  jax.jit, static_argnames=("cfg", "max_new_tokens", "temperature", "top_k", "top_p")
+)
 def generate(
   params,
   cfg: pol.PolicyConfig,
@@ -26,10 +28,14 @@ def generate(
   *,
   max_new_tokens: int,
   temperature: float,
+  top_k: int = 0,
+  top_p: float = 1.0,
 ) -> Generation:
   """Samples up to `max_new_tokens` per row after right-padded prompts; stops rows at EOS.
 
-  One policy pass per generated token; the loop ends early once every row has stopped.
+  Tokens come from `sampling.processed_logits` (temperature, then top-k, then top-p); the
+  recorded log-probs are of that distribution. One policy pass per generated token; the loop
+  ends early once every row has stopped.
   """
   B, S = prompt_BS.shape
   N = max_new_tokens
@@ -44,8 +50,8 @@ def generate(
   def body(carry):
     step, cache, last_BV, key, done_B, tokens_BN, logprobs_BN, passes = carry
     key, sub = jax.random.split(key)
-    token_B = sample(sub, last_BV, temperature)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(last_BV), token_B[:, None], -1)[:, 0]
+    token_B = sample(sub, last_BV, temperature, top_k, top_p)
+    logprob_B = logprob_at(last_BV, token_B, temperature, top_k, top_p)
     tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
     logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == EOS)

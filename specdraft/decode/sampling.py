@@ -14,25 +14,71 @@ import jax.numpy as jnp
 from specdraft.tasks.tokenizer import PAD
 
 
-def probs_at(logits_V, temperature: float):
-  """The distribution sampled at `temperature` (0 = greedy one-hot), float32; any leading axes."""
+class Sampling(NamedTuple):
+  """A sampling setting (hashable: a static argument): temperature (0 = greedy), top_k (0 = off),
+  top_p (1 = off)."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+
+# Logits of tokens outside the top-k / top-p set: finite, so log-probabilities, entropies and
+# their gradients stay free of NaN (exp gives exactly 0).
+MASKED = -1e30
+
+
+def processed_logits(logits_V, temperature: float, top_k: int = 0, top_p: float = 1.0):
+  """The logits of the distribution actually sampled (float32, any leading axes): divided by
+  `temperature` (> 0), then every token outside the `top_k` largest (0: off) and outside the
+  smallest most-probable set whose mass reaches `top_p` (1: off; top-k first, then top-p, both
+  keeping ties) set to MASKED. softmax of the result is the truncated, renormalised target that
+  autoregressive sampling, the draft and SD verification all use."""
+  z = logits_V.astype(jnp.float32) / temperature
+  if top_k and top_k < z.shape[-1]:
+    kth = jax.lax.top_k(jax.lax.stop_gradient(z), top_k)[0][..., -1:]
+    z = jnp.where(z >= kth, z, MASKED)
+  if top_p < 1.0:
+    p = jax.nn.softmax(jax.lax.stop_gradient(z), axis=-1)
+    p_desc = -jnp.sort(-p, axis=-1)
+    kept = (jnp.cumsum(p_desc, axis=-1) - p_desc) < top_p  # mass before a token < top_p
+    n_kept = jnp.sum(kept, axis=-1, keepdims=True)
+    smallest = jnp.take_along_axis(p_desc, n_kept - 1, axis=-1)
+    z = jnp.where(p >= smallest, z, MASKED)
+  return z
+
+
+def probs_at(logits_V, temperature: float, top_k: int = 0, top_p: float = 1.0):
+  """The distribution sampled (0 = greedy one-hot), float32; any leading axes."""
   logits_V = logits_V.astype(jnp.float32)
   if temperature == 0:
     return jax.nn.one_hot(jnp.argmax(logits_V, -1), logits_V.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(logits_V / temperature, axis=-1)
+  return jax.nn.softmax(processed_logits(logits_V, temperature, top_k, top_p), axis=-1)
 
 
-def sample(key, logits_BV, temperature: float):
+def sample(key, logits_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):
   if temperature == 0:
     return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature).astype(jnp.int32)
+  z = processed_logits(logits_BV, temperature, top_k, top_p)
+  return jax.random.categorical(key, z).astype(jnp.int32)
+
+
+def logprob_at(logits_BV, tokens_B, temperature: float, top_k: int = 0, top_p: float = 1.0):
+  """Behaviour log-probability of `tokens` under the distribution they were sampled from (at
+  temperature 0, greedy, the policy's own log-softmax). Any leading axes."""
+  z = logits_BV.astype(jnp.float32)
+  if temperature > 0:
+    z = processed_logits(z, temperature, top_k, top_p)
+  lp = jax.nn.log_softmax(z, axis=-1)
+  return jnp.take_along_axis(lp, jnp.maximum(tokens_B, 0)[..., None], -1)[..., 0]
 
 
 class Generation(NamedTuple):
   """Output of `generate` (autoregressive or speculative; same interface).
 
-  tokens [B,N]: generated tokens, PAD after the end; logprobs [B,N]: log pi(token) under the
-  policy at temperature 1 (0 after the end); lengths [B]: tokens generated including EOS;
+  tokens [B,N]: generated tokens, PAD after the end; logprobs [B,N]: the behaviour log-prob of
+  each token under the distribution it was sampled from (temperature, top-k, top-p:
+  `logprob_at`; 0 after the end); lengths [B]: tokens generated including EOS;
   stats: decoding statistics (policy_passes, and for SD the acceptance counters).
   """
 

@@ -19,14 +19,24 @@ import jax
 import jax.numpy as jnp
 
 from specdraft.decode.rejection import rejection_sample
-from specdraft.decode.sampling import Generation, probs_at, sample
+from specdraft.decode.sampling import Generation, Sampling, logprob_at, probs_at, sample
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
 
 @functools.partial(
-  jax.jit, static_argnames=("pcfg", "dcfg", "max_new_tokens", "temperature", "num_draft", "sampler")
+  jax.jit,
+  static_argnames=(
+    "pcfg",
+    "dcfg",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "num_draft",
+    "sampler",
+  ),
 )
 def generate(
   params,
@@ -40,9 +50,15 @@ def generate(
   max_new_tokens: int,
   temperature: float,
   num_draft: int,
+  top_k: int = 0,
+  top_p: float = 1.0,
   sampler=rejection_sample,
 ) -> Generation:
   """Speculative generation; same interface and output as `autoregressive.generate`.
+
+  The target the policy's tokens follow is the AR sampler's (`sampling.processed_logits`:
+  temperature, top-k, top-p): verification compares it with the draft's distribution under the
+  same processing, so the output is distributed exactly as AR sampling with these settings.
 
   `sampler` is the verification rule (tests swap in a broken one as a negative control).
 
@@ -51,8 +67,9 @@ def generate(
   """
   models = _Models(params, dparams, pcfg, dcfg)
   N, G = max_new_tokens, num_draft
-  carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, temperature=temperature)
-  one_round = functools.partial(_round, models, N=N, G=G, temperature=temperature, sampler=sampler)
+  sm = Sampling(temperature, top_k, top_p)
+  carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+  one_round = functools.partial(_round, models, N=N, G=G, sm=sm, sampler=sampler)
   carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), one_round, carry)
   lengths_B = carry["out_len"]
   valid_BN = jnp.arange(N)[None] < lengths_B[:, None]
@@ -80,12 +97,7 @@ class _Models:
     return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
 
 
-def _logprob(logits_BV, tokens_B):
-  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32))
-  return jnp.take_along_axis(logp_BV, tokens_B[:, None], -1)[:, 0]
-
-
-def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, temperature) -> dict:
+def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling) -> dict:
   """Policy over the prompt and its first token; the draft over the prompt, shifted by one
   (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
   B, S = prompt_BS.shape
@@ -97,10 +109,12 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, tempera
     models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
   )
   key, sub = jax.random.split(key)
-  c_B = sample(sub, logits_BSV[rows, last], temperature)
+  c_B = sample(sub, logits_BSV[rows, last], *sm)
   out_BX = jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B)
   out_lp_BX = (
-    jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(_logprob(logits_BSV[rows, last], c_B))
+    jnp.zeros((B, N + G + 1), jnp.float32)
+    .at[:, 0]
+    .set(logprob_at(logits_BSV[rows, last], c_B, *sm))
   )
   out_len_B = jnp.ones((B,), jnp.int32)
 
@@ -133,14 +147,16 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, tempera
   }
 
 
-def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, temperature):
-  """G proposals: the first from the carried logits, then G-1 single-entry draft steps."""
+def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, sm: Sampling):
+  """G proposals: the first from the carried logits, then G-1 single-entry draft steps (the
+  draft samples under the same processing as the target; any draft distribution is exact, a
+  close one is accepted more often)."""
   tokens, probs = [], []
   keys = jax.random.split(key, G)
   for i in range(G):  # G is small and static; unrolled so the last step skips a draft pass
-    token_B = sample(keys[i], q_logits_BV, temperature)
+    token_B = sample(keys[i], q_logits_BV, *sm)
     tokens.append(token_B)
-    probs.append(probs_at(q_logits_BV, temperature))
+    probs.append(probs_at(q_logits_BV, *sm))
     if i < G - 1:
       logits_B1V, h_B1E, dcache = models.draft_step(dcache, h_BE[:, None], token_B[:, None])
       q_logits_BV, h_BE = logits_B1V[:, 0], h_B1E[:, 0]
@@ -183,7 +199,7 @@ def _count(stats: dict, active_B, a_B, *, G) -> dict:
   return st
 
 
-def _round(models: _Models, carry, *, N, G, temperature, sampler):
+def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
   """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up."""
   key, k_draft, k_rej = jax.random.split(carry["key"], 3)
   pcache, c_B = carry["pcache"], carry["c"]
@@ -191,17 +207,16 @@ def _round(models: _Models, carry, *, N, G, temperature, sampler):
   active_B = ~carry["done"]
   rows = jnp.arange(c_B.shape[0])
   draft_BG, q_probs_BGV, dcache = _draft_tokens(
-    models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], G=G, temperature=temperature
+    models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], G=G, sm=sm
   )
 
   # Verify [c, d_1..d_G] in one policy pass.
   verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
   logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
-  p_probs_BG1V = probs_at(logits_BG1V, temperature)
-  q_probs_BGV = None if temperature == 0 else q_probs_BGV
+  p_probs_BG1V = probs_at(logits_BG1V, *sm)
+  q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
   tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
-  logp_BG1V = jax.nn.log_softmax(logits_BG1V)
-  logprobs_BG1 = jnp.take_along_axis(logp_BG1V, jnp.maximum(tokens_BG1, 0)[..., None], -1)[..., 0]
+  logprobs_BG1 = logprob_at(logits_BG1V, tokens_BG1, *sm)
   out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.

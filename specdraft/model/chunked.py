@@ -51,12 +51,16 @@ def logits(h_BSE, w_EV):
   return jnp.einsum("bse,ev->bsv", h_BSE, w_EV.astype(h_BSE.dtype)).astype(jnp.float32)
 
 
-def logprob_and_entropy(h_BSE, w_EV, targets_BS, *, chunk: int):
+def logprob_and_entropy(h_BSE, w_EV, targets_BS, *, chunk: int, transform=None):
   """Per position, from softmax(h W): log-prob of the target and entropy (float32 [B, S]), and
-  whether the target is the argmax (bool [B, S])."""
+  whether the target is the argmax (bool [B, S]). `transform` (logits -> logits, e.g. the
+  rollouts' temperature and top-k / top-p: `decode.sampling.processed_logits`) is applied to
+  each chunk's logits first."""
 
   def per_chunk(h, t):
     z = logits(h, w_EV)
+    if transform is not None:
+      z = transform(z)
     lp = jax.nn.log_softmax(z, axis=-1)
     ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
     top1 = jnp.argmax(z, axis=-1) == t

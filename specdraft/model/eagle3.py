@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specdraft.attention import blockwise as bw
 from specdraft.attention import branch_attention, reference
 from specdraft.model import chunked
 from specdraft.model import policy as pol
@@ -177,11 +178,52 @@ def natural_shift(x, n: int, fill=0):
   return jnp.concatenate([x[:, n:], pad], axis=1)[:, :S]
 
 
+def attend_by_merge(trunk, segment_ids_BS):
+  """TTT attention in O(K) trunk passes (the training path).
+
+  `trunk(q, k, v) -> (out, lse_BHS)` is packed causal attention over the trunk keys (the ring per
+  shard, or tiled at cp = 1). Step k's query row at anchor t sees the trunk keys s <= t and its
+  own anchor's branch keys of steps 1..k: one trunk pass for the new row only, merged by
+  log-sum-exp with the row-local attention to those k keys (which never leave the rank). Earlier
+  steps' rows are never recomputed, so K steps cost K trunk passes, not K (K + 1) / 2.
+  Returns attend(q0, k0, v0, qs, ks, vs) for `_ttt_hidden`."""
+
+  def attend(q0, k0, v0, qs, ks, vs):
+    if not qs:
+      return trunk(q0, k0, v0)[0]
+    o_t, lse_t = trunk(qs[-1], k0, v0)
+    o_d, lse_d = bw.row_local(qs[-1], jnp.stack(ks, 2), jnp.stack(vs, 2), segment_ids_BS)
+    return bw.merge(o_t.astype(jnp.float32), lse_t, o_d, lse_d)[0].astype(q0.dtype)
+
+  return attend
+
+
+def attend_by_branch(branch_fn):
+  """TTT attention through `branch_fn(q0, k0, v0, q_br, k_br, v_br) -> (out, out_br)` (the
+  trunk + branch attention of attention/api.py): step k recomputes the trunk rows and every
+  earlier branch row, O(K^2) rows in all. The oracle form, kept for the natural-order reference
+  losses (`ttt_forward`, `ttt_loss` with "dense" / "allgather").
+  Returns attend(q0, k0, v0, qs, ks, vs) for `_ttt_hidden`."""
+
+  def attend(q0, k0, v0, qs, ks, vs):
+    if not qs:
+      B, S, H, D = q0.shape
+      empty_q = jnp.zeros((B, S, 0, H, D), q0.dtype)
+      empty_kv = jnp.zeros((B, S, 0) + k0.shape[2:], k0.dtype)
+      return branch_fn(q0, k0, v0, empty_q, empty_kv, empty_kv)[0]
+    out_br = branch_fn(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2))[1]
+    return out_br[:, :, -1]
+
+  return attend
+
+
 def _ttt_hidden(
   dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, segment_ids_BS, *, shift, attend
 ):
   """Draft hidden states of every TTT step [K,B,S,E]; `shift(x, n, fill)` is x[t+n] in global
-  order (natural or zigzag), `attend(q0, k0, v0, q_br, k_br, v_br)` the trunk+branch attention."""
+  order (natural or zigzag); `attend(q0, k0, v0, qs, ks, vs)` the attention output of the newest
+  query: q0's over the trunk when `qs` is empty, else the newest branch row qs[-1]'s
+  (`attend_by_merge` or `attend_by_branch`)."""
   seg = segment_ids_BS
 
   def in_doc(n):
@@ -190,11 +232,7 @@ def _ttt_hidden(
   feat = fuse(dp, taps_NBSE, cfg)
   tok = lambda k: jnp.where(in_doc(1 + k), shift(tokens_BS, 1 + k, 0), 0)
   q0, k0, v0 = _qkv(dp, embed_table, feat, tok(0), positions_BS, cfg)
-  B, S, H, D = q0.shape
-  empty_q = jnp.zeros((B, S, 0, H, D), q0.dtype)
-  empty_kv = jnp.zeros((B, S, 0) + k0.shape[2:], k0.dtype)
-  o0, _ = attend(q0, k0, v0, empty_q, empty_kv, empty_kv)
-  h = _finish(dp, feat, o0, cfg)
+  h = _finish(dp, feat, attend(q0, k0, v0, [], [], []), cfg)
   hs = [h]
   qs, ks, vs = [], [], []
   for k in range(1, cfg.ttt_steps):
@@ -202,8 +240,7 @@ def _ttt_hidden(
     qs.append(q)
     ks.append(kk)
     vs.append(v)
-    _, o_br = attend(q0, k0, v0, jnp.stack(qs, 2), jnp.stack(ks, 2), jnp.stack(vs, 2))
-    h = _finish(dp, h, o_br[:, :, k - 1], cfg)
+    h = _finish(dp, h, attend(q0, k0, v0, qs, ks, vs), cfg)
     hs.append(h)
   return jnp.stack(hs)
 
@@ -265,7 +302,9 @@ def ttt_forward(
   mesh=None,
 ):
   """Draft logits for every TTT step: [K,B,S,V] (step k at anchor t predicts x[t+2+k])."""
-  attend = lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
+  attend = attend_by_branch(
+    lambda *a: branch_attention(*a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh)
+  )
   hs = _ttt_hidden(
     dp,
     cfg,
@@ -314,8 +353,10 @@ def ttt_loss(
   )
   if attn_impl == "ring":
     return ttt_loss_cp(*args, mesh=mesh, cp_axis=cp_axis)
-  attend = lambda *a: branch_attention(
-    *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
+  attend = attend_by_branch(
+    lambda *a: branch_attention(
+      *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
+    )
   )
   return ttt_loss_on_shard(*args, shift=natural_shift, attend=attend, total=jnp.sum)
 
@@ -363,8 +404,11 @@ def ttt_loss_cp(
       embed_table,
       *(a[k] for k in ("taps", "logits", "tokens", "positions", "seg", "mask")),
       shift=lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill),
-      attend=lambda *qkv: ring.ring_attention_shard(
-        *qkv, seg, a["gpos"], branch="ttt", axis_name=cp_axis, cp=cp
+      attend=attend_by_merge(
+        lambda q, k, v: ring.trunk_attention_shard(
+          q, k, v, seg, a["gpos"], axis_name=cp_axis, cp=cp, return_lse=True
+        ),
+        seg,
       ),
       total=lambda x: jax.lax.psum(jnp.sum(x), cp_axis),
     )

@@ -15,6 +15,14 @@ are right, so RL sees a graded signal.
 
 A prompt's length grows linearly in `num_records` (about (key_len + value_len + 2) characters per
 record): 128 records of 3+3 characters are about 1K tokens, 4K records about 32K.
+
+With `query_end = "="` a single query is written like a record's start, `"?abc="`, so the answer
+continues a copy of the record's own text (`"abc=" -> "417"`): the pattern an induction head
+completes, which a small model learns far sooner than matching a key against `"?abc:"`.
+
+With `min_records = m < num_records` each prompt draws its record count uniformly from
+[m, num_records] (a mixture of easy and hard rows: with few records the right one is found by a
+weak match, which is how the lookup circuit starts to form; see configs/long.py).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class Retrieval:
   value_len: int = 3
   hops: int = 1
   queries: int = 1
+  min_records: int = 0  # 0: every prompt has num_records records
+  query_end: str = ":"  # ":" or "=" (one query only)
   name: str = "retrieval"
 
   def __post_init__(self):
@@ -46,6 +56,16 @@ class Retrieval:
       )
     if not 1 <= self.hops <= self.num_records:
       raise ValueError(f"task.retrieval.hops must be in [1, num_records], got {self.hops}")
+    if self.query_end not in (":", "=") or (self.query_end == "=" and self.queries > 1):
+      raise ValueError(
+        f"task.retrieval.query_end must be ':' or '=' ('=' with queries=1), got "
+        f"{self.query_end!r} with queries={self.queries}"
+      )
+    if self.min_records and not self.queries * self.hops <= self.min_records <= self.num_records:
+      raise ValueError(
+        f"task.retrieval.min_records must be 0 (fixed) or in [queries * hops, num_records] = "
+        f"[{self.queries * self.hops}, {self.num_records}], got {self.min_records}"
+      )
     if not 1 <= self.queries * self.hops <= self.num_records:
       raise ValueError(
         f"task.retrieval.queries must be >= 1 with queries * hops <= num_records, got "
@@ -64,25 +84,28 @@ class Retrieval:
     return ["".join(row) for row in letters]
 
   def sample(self, rng: np.random.Generator) -> Example:
+    n = self.num_records
+    if self.min_records:
+      n = int(rng.integers(self.min_records, self.num_records + 1))
     keys: list[str] = []
     seen = set()
-    while len(keys) < self.num_records:
-      for k in self._strings(rng, string.ascii_lowercase, self.num_records, self.key_len):
-        if k not in seen and len(keys) < self.num_records:
+    while len(keys) < n:
+      for k in self._strings(rng, string.ascii_lowercase, n, self.key_len):
+        if k not in seen and len(keys) < n:
           seen.add(k)
           keys.append(k)
     # query j's chain: keys[j h] -> keys[j h + 1] -> ... -> keys[j h + h - 1] -> a value
     h = self.hops
     chains = [keys[j * h : (j + 1) * h] for j in range(self.queries)]
-    values = self._strings(rng, string.digits, self.num_records, self.value_len)
+    values = self._strings(rng, string.digits, n, self.value_len)
     table = dict(zip(keys, values))
     for chain in chains:
       for a, b in zip(chain, chain[1:]):
         table[a] = b
-    order = rng.permutation(self.num_records)
+    order = rng.permutation(n)
     records = "".join(f"{keys[i]}={table[keys[i]]};" for i in order)
     answer = ",".join(">".join(c[1:] + [table[c[-1]]]) for c in chains)
-    return Example(f"{records}?{','.join(c[0] for c in chains)}:", answer)
+    return Example(f"{records}?{','.join(c[0] for c in chains)}{self.query_end}", answer)
 
   def solve(self, prompt: str) -> str:
     table, queries = _parse(prompt)
@@ -111,7 +134,7 @@ class Retrieval:
 
 
 def _parse(prompt: str) -> tuple[dict[str, str], list[str]]:
-  m = re.fullmatch(r"((?:[a-z]+=[a-z0-9]+;)+)\?([a-z]+(?:,[a-z]+)*):", prompt)
+  m = re.fullmatch(r"((?:[a-z]+=[a-z0-9]+;)+)\?([a-z]+(?:,[a-z]+)*)[:=]", prompt)
   if m is None:
     raise ValueError(f"not a retrieval prompt: {prompt[:60]!r}...")
   table = dict(r.split("=") for r in m.group(1).rstrip(";").split(";"))

@@ -345,7 +345,10 @@ def _rollout_step(ctx: Context):
   with SD rollouts (rollout.draft = cotrained | fixed) or AR rollouts (none)."""
   c = ctx.config
   kw = dict(
-    max_new_tokens=c.rl.max_new_tokens or c.decode.max_new_tokens, temperature=c.rl.temperature
+    max_new_tokens=c.rl.max_new_tokens or c.decode.max_new_tokens,
+    temperature=c.rl.temperature,
+    top_k=c.rl.top_k,
+    top_p=c.rl.top_p,
   )
   if c.rollout.draft == "none":
     generate = lambda t, pr, ln, k: autoregressive.generate(t["policy"], ctx.pcfg, pr, ln, k, **kw)

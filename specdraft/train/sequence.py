@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from specdraft.attention import ring
+from specdraft.decode.sampling import Sampling, processed_logits
 from specdraft.model import chunked, eagle3
 from specdraft.model import policy as pol
 from specdraft.parallel import zigzag
@@ -138,16 +139,20 @@ class Shards:
     )
 
   def branch(self, positions_BS, segment_ids_BS):
-    """attend(q0, k0, v0, q_br, k_br, v_br): the draft's TTT trunk + branch attention."""
-    return lambda *qkv: ring.ring_attention_shard(
-      *qkv,
+    """The draft's TTT attention on this shard (`eagle3.attend_by_merge`): each step's new rows
+    ride the trunk ring once and merge by log-sum-exp with their rank-local branch keys."""
+    trunk = lambda q, k, v: ring.trunk_attention_shard(
+      q,
+      k,
+      v,
       segment_ids_BS,
       positions_BS,
-      branch="ttt",
       axis_name=self.axis,
       cp=self.cp,
       tile=self.tile,
+      return_lse=True,
     )
+    return eagle3.attend_by_merge(trunk, segment_ids_BS)
 
 
 def run(
@@ -205,10 +210,15 @@ def policy_hidden(theta, pcfg, batch, sh: Shards):
   return pol.hidden(theta, pcfg, batch["tokens"], pos, seg, attend=sh.trunk(), remat=sh.remat)
 
 
-def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int):
-  """(log pi(next | prefix), entropy, next is the argmax) at every position, in vocab chunks."""
+def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int, sampling=None):
+  """(log pi(next | prefix), entropy, next is the argmax) at every position, in vocab chunks.
+  With `sampling` (a `decode.sampling.Sampling` with temperature > 0), pi is the distribution the
+  rollouts sample: the logits at that temperature, truncated to its top-k / top-p set."""
   w = pol.head_weight(theta, pcfg)
-  return chunked.logprob_and_entropy(h_BSE, w, next_BS, chunk=vocab_chunk)
+  transform = None
+  if sampling is not None and sampling.temperature > 0 and sampling != Sampling():
+    transform = lambda z: processed_logits(z, *sampling)
+  return chunked.logprob_and_entropy(h_BSE, w, next_BS, chunk=vocab_chunk, transform=transform)
 
 
 def sft_body(sh: Shards, theta, batch, *, pcfg, vocab_chunk: int = 0):
@@ -268,13 +278,15 @@ def cotrain_from_hidden(
   if stop_tap_gradient:
     taps = jax.lax.stop_gradient(taps)
   nxt = sh.shift(tok, 1, 0)
-  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, **chunk)
+  # the rollouts' distribution (temperature, top-k, top-p): the behaviour log-probs are of it
+  sampling = Sampling(rl_cfg.temperature, rl_cfg.get("top_k", 0), rl_cfg.get("top_p", 1.0))
+  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, sampling=sampling, **chunk)
   mask = sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
   ref_lp = None
   if h_ref_BSE is not None:
     ref_theta = jax.lax.stop_gradient(ref_theta)
     ref_lp, _, _ = next_token_scores(
-      ref_theta, pcfg, jax.lax.stop_gradient(h_ref_BSE), nxt, **chunk
+      ref_theta, pcfg, jax.lax.stop_gradient(h_ref_BSE), nxt, sampling=sampling, **chunk
     )
   rl_loss, metrics = grpo.policy_loss(
     lp,
