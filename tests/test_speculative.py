@@ -112,6 +112,33 @@ def test_draft_prefill_equals_cached_steps_on_padded_prompts():
   np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5)
 
 
+def test_sd_prefill_holds_no_quadratic_buffer():
+  """SD over a 2048-token prompt compiles without any S^2-element array: the policy's and the
+  draft's prefill attend in tiles. Negative control: the draft's dense cached step over the same
+  prompt materialises one (what ran out of memory at 8K-token prompts)."""
+  import _hlo
+
+  pcfg, dcfg, params, dparams = small_models()
+  S = 2048
+  prompts = jnp.ones((1, S), jnp.int32)
+  lengths = jnp.array([S], jnp.int32)
+  gen = jax.jit(
+    lambda p, d, pr, ln: (
+      speculative.generate(
+        p, d, pcfg, dcfg, pr, ln, jax.random.key(0), max_new_tokens=4, temperature=1.0, num_draft=2
+      ).tokens
+    )
+  )
+  assert (
+    _hlo.largest_array(gen.lower(params, dparams, prompts, lengths).compile().as_text()) < S * S
+  )
+  feats = jnp.zeros((1, S, dcfg.d_model), jnp.float32)
+  dense = jax.jit(lambda c, f, t: eagle3.step(dparams, dcfg, params["embed"], c, f, t)[0]).lower(
+    eagle3.init_cache(dcfg, 1, S + 8), feats, prompts
+  )
+  assert _hlo.largest_array(dense.compile().as_text()) >= S * S
+
+
 def test_ttt_loss_decreases_and_ignores_policy_gradient():
   from specdraft.train import draft as draft_lib
 
