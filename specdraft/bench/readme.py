@@ -428,6 +428,10 @@ def drift(r: dict, rel_dir: str) -> str:
   return "\n".join(lines)
 
 
+def _runs(n: int) -> str:
+  return "once" if n == 1 else f"{n} times in a row"
+
+
 def wall_times(r: dict) -> str:
   rows = [
     [
@@ -458,7 +462,7 @@ def wall_times(r: dict) -> str:
   parts = [
     "### Wall times",
     f"`bash .ci/run`'s steps from a clean clone (a fresh `.venv` each time), "
-    f"{len(r['ci_runs'])} times in a row, on {r['cpu_count']} CPU cores ({r['cpu']}):",
+    f"{_runs(len(r['ci_runs']))}, on {r['cpu_count']} CPU cores ({r['cpu']}):",
     table,
   ]
   if r.get("make_run_s") is not None:
