@@ -105,6 +105,7 @@ def test_draft_prefill_equals_cached_steps_on_padded_prompts():
     np.testing.assert_allclose(lg[b, :n], lg_ref[b, :n], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(h[b, :n], h_ref[b, :n], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(pc.k[b, :n], sc.k[b, :n], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(pc.v[b, :n], sc.v[b, :n], rtol=1e-6, atol=1e-6)
   # the next step reads the prefilled cache as it would read the stepped one
   nxt = tokens[:, :1]
   a = eagle3.step(dparams, dcfg, params["embed"], pc, h[:, :1], nxt)[0]

@@ -7,7 +7,10 @@ of its operand(s), and how many times it runs: the product of the trip counts
 
 `dot_flops` counts the FLOPs of every `dot` the same way, times its runs. XLA's own
 `compiled.cost_analysis()["flops"]` counts a while loop's body once, whatever its trip count,
-so a policy whose layers run under `lax.scan` would be undercounted by about its depth.
+so a policy whose layers run under `lax.scan` would be undercounted by about its depth. Written
+for the CPU backend's HLO: every branch of a `conditional` counts as run (an upper bound where
+empty tiles are skipped), and a backend that lowers matmuls to library `custom-call`s (cuBLAS on
+GPU) has no `dot` to count, so use it on CPU-compiled programs.
 """
 
 from __future__ import annotations
@@ -104,24 +107,32 @@ def _run_counts(hlo: str, comps: dict) -> dict[str, int]:
   runs = {name: 0 for name in comps}
   if entry is None:
     return runs
-  runs[entry] = 1
-  order, seen, i = [entry], {entry}, 0
-  while i < len(order):
-    caller = order[i]
-    i += 1
-    for line in comps.get(caller, []):
+  edges = {name: [] for name in comps}  # caller -> [(callee, multiplier)]
+  for caller, lines in comps.items():
+    for line in lines:
       trip = _TRIP.search(line)
       callees = [(k, v) for k, v in _CALLEES.findall(line)]
       for b in _BRANCHES.findall(line):
         callees += [("branch", x.strip().lstrip("%")) for x in b.split(",") if x.strip()]
       for kind, callee in callees:
-        if callee not in comps:
-          continue
-        mult = int(trip.group(1)) if (kind == "body" and trip) else 1
-        runs[callee] = runs.get(callee, 0) + runs[caller] * mult
-        if callee not in seen:
-          seen.add(callee)
-          order.append(callee)
+        if callee in comps:
+          mult = int(trip.group(1)) if (kind == "body" and trip) else 1
+          edges[caller].append((callee, mult))
+  # topological order (Kahn) so a computation passes on its runs only once every caller has added
+  # theirs, however many call sites reach it at different depths
+  indegree = {name: 0 for name in comps}
+  for caller in comps:
+    for callee, _ in edges[caller]:
+      indegree[callee] += 1
+  runs[entry] = 1
+  ready = [name for name, d in indegree.items() if d == 0]
+  while ready:
+    caller = ready.pop()
+    for callee, mult in edges[caller]:
+      runs[callee] += runs[caller] * mult
+      indegree[callee] -= 1
+      if indegree[callee] == 0:
+        ready.append(callee)
   return runs
 
 
@@ -177,9 +188,11 @@ def dot_flops(hlo: str) -> int:
       m, d = _DOT.search(line), _DEF.match(line)
       if not (m and d):
         continue
-      lhs = _dims(shapes.get(m.group(1), ""))
+      if m.group(1) not in shapes:
+        raise ValueError(f"dot_flops: no shape for operand {m.group(1)!r} in {comp}: {line[:120]}")
+      lhs = _dims(shapes[m.group(1)])
       contract = _LHS_CONTRACT.search(line)
       idx = [int(i) for i in contract.group(1).split(",") if i] if contract else []
-      k = math.prod(lhs[i] for i in idx) if lhs else 0
+      k = math.prod(lhs[i] for i in idx)
       total += 2 * math.prod(_dims(d.group(2))) * k * max(runs.get(comp, 1), 1)
   return total

@@ -3,11 +3,13 @@
 Per case (policy depth L, TTT steps K, a one-layer draft): the RL-only step, the co-training
 step and the draft's TTT loss alone (forward + backward from fixed policy features) are compiled
 and timed interleaved on the same batch. Their matmul FLOPs are read from the compiled programs
-(`bench.hlo.dot_flops`, loop trip counts included). The co-training step cannot cost less than
-RL-only + the draft's own work, so its FLOP bound, as a ratio to RL-only, is
-1 + draft FLOPs / RL-only FLOPs; `ratio_over_bound` is how far the measured time ratio sits
-above it, `extra_over_draft_alone` what the co-training step adds over RL-only in units of the
-draft alone's time.
+(`bench.hlo.dot_flops`, loop trip counts included). The co-training step's matmul work is
+RL-only's plus the draft's (`cotrain_flops_over_sum` checks it), so the time ratio it would show
+if time followed matmul FLOPs, its "FLOP bound", is 1 + draft FLOPs / RL-only FLOPs.
+`ratio_over_bound` is the measured time ratio over that figure. It can sit below 1: the RL step
+also spends time on work the count leaves out (elementwise ops, the optimizer), which the draft
+adds little of. `extra_over_draft_alone` is what the co-training step adds over RL-only, in
+units of the draft alone's measured time.
 """
 
 from __future__ import annotations
