@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specdraft.decode.sampling import Generation, logprob_at, sample
+from specdraft.decode.sampling import Generation, distribution, draw, take
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
@@ -50,8 +50,9 @@ def generate(
   def body(carry):
     step, cache, last_BV, key, done_B, tokens_BN, logprobs_BN, passes = carry
     key, sub = jax.random.split(key)
-    token_B = sample(sub, last_BV, temperature, top_k, top_p)
-    logprob_B = logprob_at(last_BV, token_B, temperature, top_k, top_p)
+    _, logp_BV = distribution(last_BV, temperature, top_k, top_p)
+    token_B = draw(sub, logp_BV, temperature)
+    logprob_B = take(logp_BV, token_B)
     tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
     logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
     done_B = done_B | (token_B == EOS)

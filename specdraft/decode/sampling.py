@@ -48,29 +48,46 @@ def processed_logits(logits_V, temperature: float, top_k: int = 0, top_p: float 
   return z
 
 
+def distribution(logits_V, temperature: float, top_k: int = 0, top_p: float = 1.0):
+  """(probs, logp) of the distribution sampled, float32, any leading axes, from ONE pass of
+  `processed_logits` (whose top-p sorts the vocabulary): probs is what verification compares
+  (one-hot argmax at temperature 0), logp the log-softmax that tokens are drawn from and
+  behaviour log-probs are read from (at temperature 0 the policy's own, untempered)."""
+  z = logits_V.astype(jnp.float32)
+  if temperature == 0:
+    return jax.nn.one_hot(jnp.argmax(z, -1), z.shape[-1], dtype=jnp.float32), (
+      jax.nn.log_softmax(z, axis=-1)
+    )
+  z = processed_logits(z, temperature, top_k, top_p)
+  return jax.nn.softmax(z, axis=-1), jax.nn.log_softmax(z, axis=-1)
+
+
+def draw(key, logp_BV, temperature: float):
+  """A token from `distribution(...)[1]`: its argmax at temperature 0, else a sample of it
+  (log-probs differ from the processed logits by a constant per row: the same distribution)."""
+  if temperature == 0:
+    return jnp.argmax(logp_BV, -1).astype(jnp.int32)
+  return jax.random.categorical(key, logp_BV).astype(jnp.int32)
+
+
+def take(logp_BV, tokens_B):
+  """log-probs of `tokens` from `distribution(...)[1]` (negative ids read entry 0)."""
+  return jnp.take_along_axis(logp_BV, jnp.maximum(tokens_B, 0)[..., None], -1)[..., 0]
+
+
 def probs_at(logits_V, temperature: float, top_k: int = 0, top_p: float = 1.0):
   """The distribution sampled (0 = greedy one-hot), float32; any leading axes."""
-  logits_V = logits_V.astype(jnp.float32)
-  if temperature == 0:
-    return jax.nn.one_hot(jnp.argmax(logits_V, -1), logits_V.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(processed_logits(logits_V, temperature, top_k, top_p), axis=-1)
+  return distribution(logits_V, temperature, top_k, top_p)[0]
 
 
 def sample(key, logits_BV, temperature: float, top_k: int = 0, top_p: float = 1.0):
-  if temperature == 0:
-    return jnp.argmax(logits_BV, -1).astype(jnp.int32)
-  z = processed_logits(logits_BV, temperature, top_k, top_p)
-  return jax.random.categorical(key, z).astype(jnp.int32)
+  return draw(key, distribution(logits_BV, temperature, top_k, top_p)[1], temperature)
 
 
 def logprob_at(logits_BV, tokens_B, temperature: float, top_k: int = 0, top_p: float = 1.0):
   """Behaviour log-probability of `tokens` under the distribution they were sampled from (at
   temperature 0, greedy, the policy's own log-softmax). Any leading axes."""
-  z = logits_BV.astype(jnp.float32)
-  if temperature > 0:
-    z = processed_logits(z, temperature, top_k, top_p)
-  lp = jax.nn.log_softmax(z, axis=-1)
-  return jnp.take_along_axis(lp, jnp.maximum(tokens_B, 0)[..., None], -1)[..., 0]
+  return take(distribution(logits_BV, temperature, top_k, top_p)[1], tokens_B)
 
 
 class Generation(NamedTuple):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specdraft.decode.rejection import rejection_sample
-from specdraft.decode.sampling import Generation, Sampling, logprob_at, probs_at, sample
+from specdraft.decode.sampling import Generation, Sampling, distribution, draw, take
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
@@ -109,13 +109,10 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sam
     models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
   )
   key, sub = jax.random.split(key)
-  c_B = sample(sub, logits_BSV[rows, last], *sm)
+  _, logp_BV = distribution(logits_BSV[rows, last], *sm)
+  c_B = draw(sub, logp_BV, sm.temperature)
   out_BX = jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B)
-  out_lp_BX = (
-    jnp.zeros((B, N + G + 1), jnp.float32)
-    .at[:, 0]
-    .set(logprob_at(logits_BSV[rows, last], c_B, *sm))
-  )
+  out_lp_BX = jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B))
   out_len_B = jnp.ones((B,), jnp.int32)
 
   shifted_BS = jnp.concatenate([prompt_BS[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -154,9 +151,10 @@ def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, sm: Sam
   tokens, probs = [], []
   keys = jax.random.split(key, G)
   for i in range(G):  # G is small and static; unrolled so the last step skips a draft pass
-    token_B = sample(keys[i], q_logits_BV, *sm)
+    q_BV, logq_BV = distribution(q_logits_BV, *sm)
+    token_B = draw(keys[i], logq_BV, sm.temperature)
     tokens.append(token_B)
-    probs.append(probs_at(q_logits_BV, *sm))
+    probs.append(q_BV)
     if i < G - 1:
       logits_B1V, h_B1E, dcache = models.draft_step(dcache, h_BE[:, None], token_B[:, None])
       q_logits_BV, h_BE = logits_B1V[:, 0], h_B1E[:, 0]
@@ -213,10 +211,10 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
   # Verify [c, d_1..d_G] in one policy pass.
   verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
   logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
-  p_probs_BG1V = probs_at(logits_BG1V, *sm)
+  p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
   q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
   tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
-  logprobs_BG1 = logprob_at(logits_BG1V, tokens_BG1, *sm)
+  logprobs_BG1 = take(logp_BG1V, tokens_BG1)
   out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
