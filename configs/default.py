@@ -52,8 +52,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seed=1234,
       num_train=20000,
       num_test=256,
+      # free_order / space_prob: free variation in the scratchpad (tasks/arithmetic.py)
       arithmetic=dict(
-        min_digits=1, max_digits=3, num_operands=2, formats="columns", reward_format=""
+        min_digits=1,
+        max_digits=3,
+        num_operands=2,
+        formats="columns",
+        reward_format="",
+        free_order=False,
+        space_prob=0.0,
       ),
       countdown=dict(num_numbers=3, max_number=20, ops="+-*", use_all=True),
       retrieval=dict(

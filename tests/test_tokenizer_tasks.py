@@ -45,6 +45,7 @@ def test_arithmetic_reward():
   "task",
   [
     Arithmetic(min_digits=2, max_digits=4, num_operands=3),
+    Arithmetic(max_digits=4, num_operands=3, free_order=True, space_prob=0.9),
     Countdown(num_numbers=4, max_number=30, ops="+-*/"),
   ],
 )
@@ -93,7 +94,56 @@ def test_arithmetic_format_mixture_and_reward_format():
     Arithmetic(formats="columns,essay")
 
 
+def _canonical(answer: str) -> str:
+  """An answer with its free variation undone: spaces dropped, each column written 'terms=sum'
+  with its terms in the canonical order (digits by operand, then the carry)."""
+  work, total = answer.replace(" ", "").split("|")
+  sep = ";" if ";" in work else ","
+  cols = []
+  for col in work.split(sep):
+    a, b = col.split("=")
+    lhs, s = (a, b) if "+" in a or a == b else (b, a)
+    cols.append((sorted(lhs.split("+")), s))
+  return sep.join("+".join(terms) + "=" + s for terms, s in cols) + "|" + total
+
+
+def test_arithmetic_free_variation_keeps_the_work_and_the_answer():
+  t = Arithmetic(formats="columns:0.5,semicolon:0.5", free_order=True, space_prob=0.5)
+  rng = np.random.default_rng(0)
+  variants = set()
+  for _ in range(400):
+    ex = t.sample(rng)
+    nums = [int(x) for x in ex.prompt[:-1].split("+")]
+    fmt = "semicolon" if ";" in ex.answer else "columns"
+    assert t.reward(ex, ex.answer) == 1.0
+    assert _canonical(ex.answer) == _canonical(t.solve(nums, fmt)), ex
+    variants.add(ex.answer != t.solve(nums, fmt))
+  assert variants == {True, False}  # some answers vary, some happen to be canonical
+  assert t.solve([57, 68]) == "7+8+0=15,5+6+1=12,1=1|125"  # no rng: canonical
+
+
+def test_arithmetic_entropy_per_token_matches_the_sampled_answers():
+  """Exact count against a plug-in estimate for one problem: 57+68 has columns (7, 8, 0) and
+  (5, 6, 1), each 3! orders x 2 directions, so 144 equally likely answers without spaces."""
+  t = Arithmetic(free_order=True)
+  rng = np.random.default_rng(0)
+  answers = [t.solve([57, 68], "columns", rng) for _ in range(40000)]
+  _, counts = np.unique(answers, return_counts=True)
+  p = counts / counts.sum()
+  assert len(counts) == 144
+  assert abs(-(p * np.log(p)).sum() - np.log(144)) < 0.01
+  # per token over the task's problems: the same count, divided by the answers' length
+  one = Arithmetic(min_digits=2, max_digits=2, free_order=True)
+  h = one.entropy_per_token(np.random.default_rng(1), n=500)
+  assert 0.15 < h < 0.35
+  spaced = Arithmetic(min_digits=2, max_digits=2, free_order=True, space_prob=0.5)
+  assert spaced.entropy_per_token(np.random.default_rng(1), n=500) > h + 0.1
+  assert Arithmetic().entropy_per_token(np.random.default_rng(1), n=50) == 0.0
+
+
 def test_task_knob_errors():
+  with pytest.raises(ValueError, match="space_prob"):
+    Arithmetic(space_prob=1.0)
   with pytest.raises(ValueError, match="min_digits"):
     Arithmetic(min_digits=3, max_digits=2)
   with pytest.raises(ValueError, match="ops"):

@@ -8,11 +8,20 @@ Prompt `"57+68="`. Answer formats:
 `formats` is a mixture such as "columns" or "columns:0.95,sums:0.05" (SFT data mixes them);
 `reward_format` (if set) pays only for correct answers written in that format, which makes RL
 move the policy's output distribution (the drift experiment).
+
+Free variation (many valid outputs, so a policy sampled at temperature 1 keeps real entropy):
+  free_order: each worked column lists its terms (digits and carry in) in a random order and
+    writes its equation either way round, `"8+0+7=15"` or `"15=7+0+8"`;
+  space_prob: after every '+', '=' and column separator a space follows with this probability,
+    `"8+ 0+7= 15, 6+5+1=12"`.
+The answer after '|' never varies and is all the reward reads (with the format). `entropy_per_token`
+gives the entropy the SFT data itself has per answer token (the level a policy fit to it reaches).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -27,6 +36,8 @@ class Arithmetic:
   num_operands: int = 2
   formats: str = "columns"
   reward_format: str = ""
+  free_order: bool = False
+  space_prob: float = 0.0
   name: str = "arithmetic"
 
   @property
@@ -55,6 +66,8 @@ class Arithmetic:
       )
     if self.num_operands < 2:
       raise ValueError(f"task.arithmetic.num_operands must be >= 2, got {self.num_operands}")
+    if not 0.0 <= self.space_prob < 1.0:
+      raise ValueError(f"task.arithmetic.space_prob must be in [0, 1), got {self.space_prob}")
 
   def sample(self, rng: np.random.Generator) -> Example:
     nums = []
@@ -66,24 +79,76 @@ class Arithmetic:
     names = [n for n, _ in self.mixture]
     w = np.asarray([w for _, w in self.mixture], float)
     fmt = names[int(rng.choice(len(names), p=w / w.sum()))] if len(names) > 1 else names[0]
-    return Example(prompt, self.solve(nums, fmt))
+    return Example(prompt, self.solve(nums, fmt, rng if self._varies else None))
 
-  def solve(self, nums: list[int], fmt: str = "columns") -> str:
+  @property
+  def _varies(self) -> bool:
+    return self.free_order or self.space_prob > 0
+
+  def _columns(self, nums: list[int]) -> list[tuple[list[int], int]]:
+    """Each column's terms (its digits, then the carry in) and its sum, lowest column first."""
+    width = max(len(str(n)) for n in nums)
+    digits = [str(n).zfill(width)[::-1] for n in nums]
+    out, carry = [], 0
+    for col in range(width):
+      terms = [int(d[col]) for d in digits] + [carry]
+      out.append((terms, sum(terms)))
+      carry = sum(terms) // 10
+    return out
+
+  def solve(self, nums: list[int], fmt: str = "columns", rng=None) -> str:
+    """The answer in format `fmt`; canonical (no free variation) unless `rng` is given."""
     total = sum(nums)
     if fmt == "direct":
       return str(total)
-    width = max(len(str(n)) for n in nums)
-    digits = [str(n).zfill(width)[::-1] for n in nums]
-    steps, carry = [], 0
-    for col in range(width):
-      ds = [int(d[col]) for d in digits]
-      s = sum(ds) + carry
-      worked = fmt in ("columns", "semicolon")
-      steps.append("+".join(map(str, ds)) + f"+{carry}={s}" if worked else str(s))
-      carry = s // 10
+    worked = fmt in ("columns", "semicolon")
+    free = rng is not None and self.free_order and worked
+    space = self.space_prob if rng is not None else 0.0
+
+    def sp(sym: str) -> str:
+      return sym + (" " if space and rng.random() < space else "")
+
+    steps = []
+    for terms, s in self._columns(nums):
+      if not worked:
+        steps.append(str(s))
+        continue
+      if free:
+        terms = [terms[i] for i in rng.permutation(len(terms))]
+      lhs = sp("+").join(map(str, terms))
+      steps.append(f"{s}{sp('=')}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp('=')}{s}")
+    carry = total // 10 ** len(self._columns(nums))
     if carry:
-      steps.append(f"{carry}={carry}" if worked else str(carry))
-    return (";" if fmt == "semicolon" else ",").join(steps) + f"|{total}"
+      steps.append(f"{carry}{sp('=')}{carry}" if worked else str(carry))
+    sep = ";" if fmt == "semicolon" else ","
+    return "".join(st + (sp(sep) if i < len(steps) - 1 else "") for i, st in enumerate(steps)) + (
+      f"|{total}"
+    )
+
+  def entropy_per_token(self, rng: np.random.Generator, n: int = 2000) -> float:
+    """Entropy of the SFT answers per answer token (EOS included), in nats: the exact entropy of
+    the free variation summed over `n` sampled problems, over their expected token count. (The
+    format mixture's one choice per answer is left out.) 0 without free variation."""
+    h_space = 0.0
+    if self.space_prob > 0:
+      p = self.space_prob
+      h_space = -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    total_h, total_len = 0.0, 0.0
+    for _ in range(n):
+      ex = self.sample(rng)
+      nums = [int(x) for x in ex.prompt[:-1].split("+")]
+      fmt = format_of(ex.answer)
+      canon = self.solve(nums, fmt)
+      slots = sum(canon.split("|")[0].count(c) for c in "+=,;")
+      total_len += len(canon) + 1 + slots * self.space_prob
+      total_h += slots * h_space
+      if self.free_order and fmt in ("columns", "semicolon"):
+        for terms, _ in self._columns(nums):
+          orders = math.factorial(len(terms))
+          for c in set(terms):
+            orders //= math.factorial(terms.count(c))
+          total_h += np.log(orders) + np.log(2)
+    return float(total_h / total_len)
 
   def reward(self, example: Example, completion: str) -> float:
     m = re.fullmatch(r"(\d+(?:\+\d+)+)=", example.prompt)
@@ -99,7 +164,12 @@ class Arithmetic:
 
   def max_length(self) -> int:
     nums = [10**self.max_digits - 1] * self.num_operands
-    return len("+".join(map(str, nums)) + "=") + max(len(self.solve(nums, f)) for f in FORMATS)
+    longest = 0
+    for f in FORMATS:
+      answer = self.solve(nums, f)
+      spaces = sum(answer.split("|")[0].count(c) for c in "+=,;") if self.space_prob else 0
+      longest = max(longest, len(answer) + spaces)
+    return len("+".join(map(str, nums)) + "=") + longest
 
 
 FORMATS = ("columns", "semicolon", "sums", "direct")
