@@ -25,9 +25,30 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   c.rl.lr = 5e-4
   c.drift = dict(arms=("none", "fixed", "cotrained"), seeds=1 if arg.smoke else arg.seeds)
-  # Fixed before the run (copied into results.json with pass/fail). tau is compared between the
-  # first and last window of RL steps (window = steps // 8), averaged over seeds.
+  # Reward threshold for "wall-clock to reach it": the trailing mean over threshold_window steps.
+  c.drift.reward_threshold, c.drift.threshold_window = 0.5, 3
+  # Fixed before the run (copied into results.json with pass/fail). Windows are the first and
+  # last steps // 8 RL steps (the first leaves out step 1's compile for timings); figures are
+  # means over seeds.
   c.drift.goals = dict(
+    rollout_speedup=dict(
+      metric="speed.rollout_speedup_C_over_A",
+      op=">=",
+      target=1.5,
+      what="A's rollout seconds per RL step / C's (median over steps and seeds)",
+    ),
+    step_ratio=dict(
+      metric="speed.step_ratio_C_over_A",
+      op="<=",
+      target=0.9,
+      what="C's whole RL step / A's (rollout + training, median)",
+    ),
+    entropy=dict(
+      metric="arms.none.entropy_first",
+      op=">=",
+      target=0.3,
+      what="policy entropy per completion token at T = 1 after SFT (A, first window)",
+    ),
     cotrained_tau_kept=dict(
       metric="arms.cotrained.tau_last_over_first",
       op=">=",
@@ -40,11 +61,17 @@ def get_config(arg: str | None = None):
       target=0.85,
       what="B (fixed draft): tau at the end / tau at the start (falls by >= 15%)",
     ),
-    reward_A_vs_C_within_seed_interval=dict(
-      metric="reward_C_minus_A.zero_in_ci95",
-      op="==",
-      target=True,
-      what="final reward C - A: 0 inside its 95% t-interval over seeds",
+    fixed_rollouts_slow_down=dict(
+      metric="arms.fixed.rollout_s_last_over_first",
+      op=">",
+      target=1.0,
+      what="B's rollout seconds per step, last window / first window",
+    ),
+    reward_A_vs_C_equivalent=dict(
+      metric="reward_C_minus_A.ci95_abs_max",
+      op="<=",
+      target=0.1,
+      what="final reward C - A: its 95% Welch interval within +-0.1",
     ),
   )
   return c

@@ -98,6 +98,62 @@ def test_drift_seed_statistics_use_the_sample_std_and_a_t_interval():
   assert far["zero_in_ci95"] is False and far["ci95"][0] > 0
 
 
+def test_drift_summary_timings_threshold_and_speed_by_hand():
+  """Synthetic runs with known figures: A rolls out in 2 s and trains in 1 s per step, C in 1 s
+  and 1.5 s; step 1 (compile) is slow and must not count."""
+  import ml_collections
+
+  from specdraft.bench import drift
+
+  def rec(reward, ro, tr, tau=1.0):
+    return dict(
+      reward_mean=reward,
+      rollout_seconds=ro,
+      train_seconds=tr,
+      accept_len=tau,
+      entropy=0.4,
+      format_share={"semicolon": reward},
+    )
+
+  steps, seeds = 8, 2
+  runs = {}
+  for s in range(seeds):
+    rewards = [0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.7, 0.7]  # trailing mean of 3 >= 0.5 from step 6
+    runs[("none", s)] = [rec(r + 0.02 * s, 2.0, 1.0) for r in rewards]
+    runs[("cotrained", s)] = [rec(r + 0.01 * s, 1.0, 1.5, tau=3.0) for r in rewards]
+    runs[("none", s)][0]["rollout_seconds"] = 60.0  # compiles
+    runs[("cotrained", s)][0]["train_seconds"] = 60.0
+  config = ml_collections.ConfigDict(
+    dict(
+      rl=dict(steps=steps),
+      task=dict(arithmetic=dict(reward_format="semicolon")),
+      drift=dict(arms=("none", "cotrained"), seeds=seeds, reward_threshold=0.5, threshold_window=3),
+    )
+  )
+  out = drift.summarise(runs, config)
+  a, c = out["arms"]["none"], out["arms"]["cotrained"]
+  assert a["seconds"] == dict(rollout_s=2.0, train_s=1.0, step_s=3.0, rollout_share=2 / 3)
+  assert c["seconds"]["step_s"] == 2.5
+  # reached at step 6 (index 5): 6 steps of 3 s for A, the first counted at the median
+  assert a["time_to_reward"]["per_seed"] == [18.0, 18.0]
+  assert c["time_to_reward"]["seconds_mean"] == 15.0
+  sp = out["speed"]
+  assert sp["rollout_speedup_C_over_A"] == 2.0 and sp["cotrain_overhead"] == 1.5
+  assert sp["step_ratio_C_over_A"] == pytest.approx(2.5 / 3.0)
+  assert sp["predicted_step_ratio"] == pytest.approx((1 / 3) * 1.5 + (2 / 3) / 2.0)
+  assert c["tau_last_over_first"] == 1.0 and a["rollout_s_last_over_first"] == 1.0
+  d = out["reward_C_minus_A"]
+  assert d["diff"] == pytest.approx(-0.005) and 0 < d["welch_p"] <= 1
+  assert d["ci95_abs_max"] == pytest.approx(max(abs(x) for x in d["ci95"]))
+  never = drift.time_to_reward(runs, "none", seeds, threshold=0.9, window=3)
+  assert never["per_seed"] == [None, None] and never["seconds_mean"] is None
+  from specdraft.bench import readme
+
+  text = readme.drift(out, "docs/results/drift")
+  assert "rollouts 2.00× faster" in text and "r = 0.67" in text and "Welch test p" in text
+  assert "| A: AR rollouts | 2.00 | 1.00 | 3.00 | 67% |" in text
+
+
 def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):
   from specdraft.bench import readme
 

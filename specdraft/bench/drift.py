@@ -6,10 +6,14 @@ import copy
 import json
 import os
 
+import jax
 import numpy as np
 from scipy import stats
 
 from specdraft.bench import provenance
+from specdraft.decode import speculative
+from specdraft.decode.compare import decoding_figures
+from specdraft.tasks import loader
 from specdraft.train import loop
 
 ARM_NAMES = {
@@ -31,21 +35,26 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   base = loop.Context(base_cfg, base_dir)
   params, _ = loop.sft_phase(base)
   dparams, _ = loop.draft_phase(base, params)
+  tau_start = tau_by_temperature(base, params, dparams)
 
-  runs = {}
+  runs, tau_end = {}, {}
   for arm in config.drift.arms:
     for seed in range(config.drift.seeds):
       c = copy.deepcopy(config)
       c.rollout.draft = arm
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
       ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
-      loop.rl_phase(ctx, params, dparams)
+      state, _ = loop.rl_phase(ctx, params, dparams)
       runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
+      if arm != "none":  # the draft the arm rolls out with at its end, against its policy
+        final = state["params"]
+        draft = final["draft"] if arm == "cotrained" else dparams
+        tau_end[(arm, seed)] = tau_by_temperature(ctx, final["policy"], draft)
       print(
         f"{ARM_NAMES[arm]}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
         flush=True,
       )
-  summary = summarise(runs, config)
+  summary = summarise(runs, config, tau_start=tau_start, tau_end=tau_end)
   summary = provenance.write_results(
     workdir, summary, goals=provenance.goals_from_config(config.drift.goals)
   )
@@ -53,6 +62,30 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   print(json.dumps(summary, indent=2))
   print(provenance.goals_table(summary["goals"]), flush=True)
   return summary
+
+
+def tau_by_temperature(ctx, params, dparams) -> dict:
+  """tau of SD on the held-out prompts (`eval.batch_size` rows, G = `decode.num_draft`) at the
+  rollouts' temperature and at T = 0 (greedy): {"T=<t>": tau, "T=0": tau}."""
+  c = ctx.config
+  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(c.eval.batch_size)]
+  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  out = {}
+  for t in (c.rl.temperature, 0.0):
+    gen = speculative.generate(
+      params,
+      dparams,
+      ctx.pcfg,
+      ctx.dcfg,
+      prompts_BS,
+      lengths_B,
+      jax.random.key(c.seed + 17),
+      max_new_tokens=c.rl.max_new_tokens or c.decode.max_new_tokens,
+      num_draft=c.decode.num_draft,
+      temperature=t,
+    )
+    out[f"T={t:g}"] = decoding_figures(gen)["tau"]
+  return out
 
 
 def _curve(runs, arm, key, seeds):
@@ -73,11 +106,13 @@ def seed_stats(x) -> dict:
 
 
 def diff_stats(a, b) -> dict:
-  """mean(b) - mean(a) over seeds with its 95% Welch t-interval; `zero_in_ci95`: the two arms
-  cannot be told apart at this seed count. None with fewer than two seeds per arm."""
+  """mean(b) - mean(a) over seeds with its 95% Welch t-interval and the Welch test's two-sided
+  p-value; `zero_in_ci95`: the two arms cannot be told apart at this seed count; `ci95_abs_max`:
+  the interval's farthest end from 0 (equivalence within a margin m when it is <= m). None with
+  fewer than two seeds per arm."""
   a, b = np.asarray(a, float), np.asarray(b, float)
   d = float(b.mean() - a.mean())
-  out = {"diff": d, "ci95": None, "zero_in_ci95": None}
+  out = {"diff": d, "ci95": None, "zero_in_ci95": None, "welch_p": None, "ci95_abs_max": None}
   if len(a) > 1 and len(b) > 1:
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = float(np.sqrt(va + vb))
@@ -87,42 +122,114 @@ def diff_stats(a, b) -> dict:
     dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     half = float(stats.t.ppf(0.975, dof) * se)
     out.update(ci95=[d - half, d + half], zero_in_ci95=bool(d - half <= 0.0 <= d + half))
+    out["welch_p"] = float(stats.ttest_ind(b, a, equal_var=False).pvalue)
+  if out["ci95"] is not None:
+    out["ci95_abs_max"] = float(max(abs(out["ci95"][0]), abs(out["ci95"][1])))
   return out
 
 
-def summarise(runs, config) -> dict:
+def step_seconds(runs, arm, seeds) -> dict:
+  """Seconds per RL step, split: medians over seeds and steps, leaving out each run's first step
+  (it compiles). `rollout_share`: rollout / (rollout + training)."""
+  ro = _curve(runs, arm, "rollout_seconds", seeds)
+  tr = _curve(runs, arm, "train_seconds", seeds)
+  if ro.shape[1] > 1:
+    ro, tr = ro[:, 1:], tr[:, 1:]
+  return {
+    "rollout_s": float(np.median(ro)),
+    "train_s": float(np.median(tr)),
+    "step_s": float(np.median(ro + tr)),
+    "rollout_share": float(np.median(ro / (ro + tr))),
+  }
+
+
+def time_to_reward(runs, arm, seeds, threshold: float, window: int) -> dict:
+  """Per seed, wall-clock seconds until the reward's trailing mean over `window` steps first
+  reaches `threshold` (rollouts + training; the first step counted at the median step time, so
+  compilation is left out); None for a seed that never does."""
+  per_seed = []
+  for s in range(seeds):
+    rec = runs[(arm, s)]
+    t = np.array([r["rollout_seconds"] + r["train_seconds"] for r in rec], float)
+    if len(t) > 1:
+      t[0] = np.median(t[1:])
+    rew = np.array([r["reward_mean"] for r in rec], float)
+    trail = np.convolve(rew, np.ones(window) / window, mode="full")[: len(rew)]
+    trail[: window - 1] = -np.inf  # a trailing mean needs `window` steps
+    hit = np.flatnonzero(trail >= threshold)
+    per_seed.append(float(np.cumsum(t)[hit[0]]) if hit.size else None)
+  reached = [x for x in per_seed if x is not None]
+  return {
+    "threshold": threshold,
+    "per_seed": per_seed,
+    "seeds_reached": len(reached),
+    "seconds_mean": float(np.mean(reached)) if reached else None,
+  }
+
+
+def _arm_summary(runs, config, arm, k) -> dict:
+  seeds = config.drift.seeds
+  rew = _curve(runs, arm, "reward_mean", seeds)
+  ent = _curve(runs, arm, "entropy", seeds)
+  ro = _curve(runs, arm, "rollout_seconds", seeds)
+  fmt = config.task.arithmetic.reward_format
+  share = np.array(
+    [[r["format_share"].get(fmt, 0.0) for r in runs[(arm, s)]] for s in range(seeds)]
+  )
+  a = {
+    "reward_first": float(rew[:, :k].mean()),
+    "reward_last": seed_stats(rew[:, -k:].mean(1)),
+    "rewarded_format_share_first": float(share[:, :k].mean()),
+    "rewarded_format_share_last": float(share[:, -k:].mean()),
+    "entropy_first": float(ent[:, :k].mean()),
+    "entropy_last": float(ent[:, -k:].mean()),
+    "seconds": step_seconds(runs, arm, seeds),
+    # the first window leaves out step 1 (it compiles)
+    "rollout_s_last_over_first": float(ro[:, -k:].mean() / ro[:, 1 : k + 1].mean()),
+    "time_to_reward": time_to_reward(
+      runs, arm, seeds, config.drift.reward_threshold, config.drift.threshold_window
+    ),
+  }
+  if arm != "none":
+    tau = _curve(runs, arm, "accept_len", seeds)
+    a.update(tau_first=float(tau[:, :k].mean()), tau_last=float(tau[:, -k:].mean()))
+    a["tau_last_over_first"] = a["tau_last"] / a["tau_first"]
+    a["tau_last_over_first_seeds"] = seed_stats(tau[:, -k:].mean(1) / tau[:, :k].mean(1))
+  return a
+
+
+def summarise(runs, config, *, tau_start=None, tau_end=None) -> dict:
   """Per arm: first/last-window means over seeds (window = steps // 8); the last-window reward
-  with seed statistics (sample std, 95% t-interval); tau for the SD arms; C - A reward."""
+  and tau ratio with seed statistics (sample std, 95% t-interval); seconds per step split into
+  rollout and training; time to the reward threshold; tau at T = 1 and T = 0 at the start and
+  end. Between arms: C - A reward (Welch), and C's speed against A's with the AR rollout share r
+  and the co-training overhead c, so the step ratio can be checked against (1 - r) c + r / s."""
   seeds, steps = config.drift.seeds, config.rl.steps
   k = max(1, steps // 8)
-  out = {"steps": steps, "seeds": seeds, "window": k, "arms": {}}
+  out = {"steps": steps, "seeds": seeds, "window": k, "arms": {}, "tau_start": tau_start}
   for arm in config.drift.arms:
-    rew = _curve(runs, arm, "reward_mean", seeds)
-    tau = _curve(runs, arm, "accept_len", seeds)
-    share = np.array(
-      [
-        [r["format_share"].get(config.task.arithmetic.reward_format, 0.0) for r in runs[(arm, s)]]
-        for s in range(seeds)
-      ]
-    )
-    a = {
-      "reward_first": float(rew[:, :k].mean()),
-      "reward_last": seed_stats(rew[:, -k:].mean(1)),
-      "rewarded_format_share_first": float(share[:, :k].mean()),
-      "rewarded_format_share_last": float(share[:, -k:].mean()),
-      "entropy_first": float(_curve(runs, arm, "entropy", seeds)[:, :k].mean()),
-      "entropy_last": float(_curve(runs, arm, "entropy", seeds)[:, -k:].mean()),
-      "rollout_seconds_mean": float(_curve(runs, arm, "rollout_seconds", seeds).mean()),
-    }
-    if arm != "none":
-      a.update(tau_first=float(tau[:, :k].mean()), tau_last=float(tau[:, -k:].mean()))
-      a["tau_last_over_first"] = a["tau_last"] / a["tau_first"]
-    out["arms"][arm] = a
-  if {"none", "cotrained"} <= set(out["arms"]):
+    out["arms"][arm] = _arm_summary(runs, config, arm, k)
+    if arm != "none" and tau_end:
+      ends = [tau_end[(arm, s)] for s in range(seeds) if (arm, s) in tau_end]
+      out["arms"][arm]["tau_end"] = {t: seed_stats([e[t] for e in ends]) for t in ends[0]}
+  arms = out["arms"]
+  if {"none", "cotrained"} <= set(arms):
     out["reward_C_minus_A"] = diff_stats(
-      out["arms"]["none"]["reward_last"]["per_seed"],
-      out["arms"]["cotrained"]["reward_last"]["per_seed"],
+      arms["none"]["reward_last"]["per_seed"], arms["cotrained"]["reward_last"]["per_seed"]
     )
+    a, c = arms["none"]["seconds"], arms["cotrained"]["seconds"]
+    r, speedup, overhead = (
+      a["rollout_share"],
+      a["rollout_s"] / c["rollout_s"],
+      c["train_s"] / a["train_s"],
+    )
+    out["speed"] = {
+      "rollout_speedup_C_over_A": speedup,
+      "step_ratio_C_over_A": c["step_s"] / a["step_s"],
+      "ar_rollout_share": r,
+      "cotrain_overhead": overhead,
+      "predicted_step_ratio": (1 - r) * overhead + r / speedup,
+    }
   return out
 
 
@@ -137,18 +244,23 @@ def plot(runs, config, pdir):
   for key, arms, name, ylabel in (
     ("reward_mean", config.drift.arms, "reward", "mean reward"),
     ("accept_len", [a for a in config.drift.arms if a != "none"], "tau", "tau (accepted/round)"),
-    ("entropy", config.drift.arms, "entropy", "policy entropy"),
+    ("entropy", config.drift.arms, "entropy", "policy entropy (nats/token)"),
+    ("rollout_seconds", config.drift.arms, "rollout_seconds", "rollout seconds per RL step"),
   ):
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for arm in arms:
       y = _curve(runs, arm, key, seeds)
       x = np.arange(1, y.shape[1] + 1)
+      if key == "rollout_seconds":  # step 1 compiles
+        x, y = x[1:], y[:, 1:]
       ax.plot(x, y.mean(0), label=ARM_NAMES[arm])
       if seeds > 1:
-        ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
+        half = stats.t.ppf(0.975, seeds - 1) * y.std(0, ddof=1) / np.sqrt(seeds)
+        ax.fill_between(x, y.mean(0) - half, y.mean(0) + half, alpha=0.2)
     ax.set_xlabel("RL step")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"drift: {name} (band = min/max over {seeds} seeds)")
+    band = f"band = 95% t-interval over {seeds} seeds" if seeds > 1 else "1 seed"
+    ax.set_title(f"drift: {name} ({band})")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

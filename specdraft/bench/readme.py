@@ -419,15 +419,67 @@ def drift(r: dict, rel_dir: str) -> str:
     "statistics use the sample standard deviation and the 95% Student-t interval of the mean."
   )
   lines = [head, "", table, ""]
+  if all("seconds" in a for a in r["arms"].values()):  # written since the timing split
+    lines += [_drift_timing(r), ""]
   d = r.get("reward_C_minus_A")
   if d:
+    p = f", Welch test p = {_f(d['welch_p'], 3)}" if d.get("welch_p") is not None else ""
     lines.append(
-      f"Final reward C − A: {_f(d['diff'], 3)}, 95% Welch t-interval {_interval(d['ci95'])}."
+      f"Final reward C − A: {_f(d['diff'], 3)}, 95% Welch t-interval {_interval(d['ci95'])}{p}."
     )
     lines.append("")
-  for name in ("tau", "reward"):
+  names = ["tau", "reward"] + (["entropy", "rollout_seconds"] if "speed" in r else [])
+  for name in names:
     lines.append(f"![drift {name}]({rel_dir}/drift_{name}.png)")
   return "\n".join(lines)
+
+
+def _drift_timing(r: dict) -> str:
+  """Seconds per RL step by arm, time to the reward threshold, tau at T = 1 / T = 0, and C's
+  speed against A's with the figures that predict it."""
+  rows = []
+  for arm, a in r["arms"].items():
+    sec, ttr = a["seconds"], a["time_to_reward"]
+    reached = f"{ttr['seeds_reached']}/{len(ttr['per_seed'])}"
+    end = a.get("tau_end", {})
+    tau_end = " / ".join(_f(v["mean"]) for v in end.values()) if end else "-"
+    rows.append(
+      [
+        ARM_NAMES.get(arm, arm),
+        _f(sec["rollout_s"]),
+        _f(sec["train_s"]),
+        _f(sec["step_s"]),
+        f"{sec['rollout_share']:.0%}",
+        _f(a["entropy_first"], 3),
+        "-" if ttr["seconds_mean"] is None else f"{_f(ttr['seconds_mean'], 0)} ({reached})",
+        tau_end,
+      ]
+    )
+  thr = next(iter(r["arms"].values()))["time_to_reward"]["threshold"]
+  start = r.get("tau_start") or {}
+  table = _table(
+    [
+      "arm",
+      "rollout s/step",
+      "training s/step",
+      "step s",
+      "rollout share",
+      "entropy after SFT",
+      f"s to reward {thr:g} (seeds)",
+      "end τ " + " / ".join(start) if start else "end τ",
+    ],
+    rows,
+  )
+  sp = r["speed"]
+  start_txt = ", ".join(f"{t}: {_f(v)}" for t, v in start.items())
+  return (
+    f"{table}\n\nC against A: rollouts {_f(sp['rollout_speedup_C_over_A'])}× faster, whole RL step "
+    f"{_f(sp['step_ratio_C_over_A'])}× A's; with A's rollout share r = "
+    f"{_f(sp['ar_rollout_share'])} and co-training overhead c = {_f(sp['cotrain_overhead'])} "
+    f"(C's training / A's), (1 − r)·c + r/speedup = {_f(sp['predicted_step_ratio'])}. "
+    f"τ of the SFT policy with the distilled draft, before RL: {start_txt or 'n/a'}. "
+    "Seconds are medians over steps and seeds, step 1 (compilation) left out."
+  )
 
 
 def _runs(n: int) -> str:
