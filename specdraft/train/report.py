@@ -147,8 +147,21 @@ def summarise(workdir: str, config, rollout: dict | None) -> dict:
       tau_first=mean(rl[:k], "accept_len"),
       tau_last=mean(rl[-k:], "accept_len"),
       accuracy_after_rl=logs["rl_eval"][-1]["accuracy"] if logs["rl_eval"] else None,
+      entropy_first=mean(rl[:k], "entropy"),
+      entropy_last=mean(rl[-k:], "entropy"),
+    )
+    timed = rl[1:] if len(rl) > 1 else rl  # step 1 compiles
+    summary.update(
+      rl_rollout_seconds=float(np.median([r["rollout_seconds"] for r in timed])),
+      rl_train_seconds=float(np.median([r["train_seconds"] for r in timed])),
     )
   return summary
+
+
+def _pair(summary: dict, a: str, b: str) -> str | None:
+  if summary.get(a) is None:
+    return None
+  return f"{summary[a]:.3f} / {summary[b]:.3f}"
 
 
 def summary_table(summary: dict) -> str:
@@ -164,6 +177,11 @@ def summary_table(summary: dict) -> str:
     ("RL reward: last steps", summary.get("reward_last")),
     ("tau: first RL steps", summary.get("tau_first")),
     ("tau: last RL steps", summary.get("tau_last")),
+    ("policy entropy: first / last RL steps", _pair(summary, "entropy_first", "entropy_last")),
+    (
+      "RL step: rollout s / training s (median)",
+      _pair(summary, "rl_rollout_seconds", "rl_train_seconds"),
+    ),
   ]
   r = summary.get("rollout")
   if r:
