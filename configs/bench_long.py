@@ -15,7 +15,7 @@ from specdraft.config import parse_arg
 
 def get_config(arg: str | None = None):
   arg = parse_arg(arg, smoke=False)
-  c = default.get_config("smoke" if arg.smoke else None)
+  c = default.get_config("smoke" if arg.smoke else "size=tiny")
   c.draft.ttt_steps = 7
   c.bench_long = ml_collections.ConfigDict(
     dict(

@@ -19,7 +19,7 @@ SIX_TAPS = (1, 3, 5, 7, 9, 11)
 
 def get_config(arg: str | None = None):
   arg = parse_arg(arg, smoke=False, repeats=7)
-  c = default.get_config("smoke" if arg.smoke else None)
+  c = default.get_config("smoke" if arg.smoke else "size=tiny")
   c.model.update(d_model=64, n_layers=16, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=192)
   c.draft.ttt_steps = 3
   case = lambda pp, m, s, taps=DEFAULT_TAPS, batch=16: dict(

@@ -3,11 +3,12 @@
 Run:   python experiments/drift.py --config=configs/drift.py --workdir=runs/drift
 Smoke: python experiments/drift.py --config=configs/drift.py:smoke --workdir=/tmp/drift
 
-SFT data mixes two answer formats (95% "columns", 5% "semicolon": same work, other separators);
-the RL reward pays only for correct answers in the rare format, so the policy's output
-distribution moves. From one SFT policy and one distilled draft, three arms run RL:
-A (autoregressive rollouts), B (SD with the fixed draft), C (SD with the co-trained draft),
-each over several seeds.
+The default run's setting (configs/default.py: a 12-layer policy, a one-layer draft, K = 3 TTT
+steps): SFT data mixes two answer formats (95% "columns", 5% "semicolon": same work, other
+separators) with a freely varying scratchpad (about 0.4 nats per answer token); the RL reward pays
+only for correct answers in the rare format, so the policy's output distribution moves. From one
+SFT policy and one distilled draft, three arms run RL: A (autoregressive rollouts), B (SD with
+the fixed draft), C (SD with the co-trained draft), each over 5 seeds by default.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, seeds=3, steps=40)
+  arg = parse_arg(arg, smoke=False, seeds=5, steps=40)
   c = default.get_config("smoke" if arg.smoke else None)
   c.task.arithmetic.formats = "columns:0.95,semicolon:0.05"
   c.task.arithmetic.reward_format = "semicolon"
   c.rl.steps = 4 if arg.smoke else arg.steps
   c.rl.eval_every = 1000
-  c.rl.lr = 5e-4
   c.drift = dict(arms=("none", "fixed", "cotrained"), seeds=1 if arg.smoke else arg.seeds)
   # Reward threshold for "wall-clock to reach it": the trailing mean over threshold_window steps.
   c.drift.reward_threshold, c.drift.threshold_window = 0.5, 3

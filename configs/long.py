@@ -58,7 +58,9 @@ def get_config(arg: str | None = None):
   arg = parse_arg(
     arg, layout=DEFAULT_LAYOUT, smoke=False, long=False, records=128, queries=1, seed=0
   )
-  c = default.get_config(f"layout={arg.layout},seed={arg.seed}" + (",smoke" if arg.smoke else ""))
+  c = default.get_config(
+    f"size=tiny,layout={arg.layout},seed={arg.seed}" + (",smoke" if arg.smoke else "")
+  )
   records = 16 if arg.smoke else 1024 if arg.long else arg.records
   c.task.name = "retrieval"
   queries = min(arg.queries, records)
@@ -86,6 +88,7 @@ def get_config(arg: str | None = None):
   c.draft.pretrain_steps, c.draft.batch_size = 200, 16
   c.draft.ttt_steps = 4
   c.rl.steps, c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_every = 20, 4, 4, 10
+  c.rl.lr = 2e-4
   if arg.long:  # >= 8K tokens per row: a few RL steps to show the whole run works there
     c.task.num_train, c.task.num_test = 512, 16  # a few steps use a few hundred rows
     c.sft.steps, c.draft.pretrain_steps, c.rl.steps = 6, 3, 3
