@@ -116,6 +116,39 @@ def test_step_at_cp1_equals_the_dense_oracle(setup, aggregation):
   tol.assert_grads_close(g1["draft"], g0["draft"], rtol=1e-5, err="draft ")
 
 
+def test_step_at_cp1_equals_the_dense_oracle_under_truncated_sampling(setup):
+  """rl.temperature / top_k / top_p: the RL log-probs and the entropy are of the distribution the
+  rollouts sample, in the sharded step and in the natural-order oracle alike (KL off: truncation
+  is refused with a KL term)."""
+  c, pcfg, dcfg, tr, _, batch = setup
+  rl = _rl(c, "token-mean")
+  rl.update(temperature=0.7, top_k=40, top_p=0.98, beta=0.0)  # a random token: ~40% in the set
+  nat = {k: jnp.asarray(v) for k, v in batch.items()}
+
+  def oracle(tr):
+    args = (nat["tokens"], nat["positions"], nat["segment_ids"])
+    logits, taps = pol.forward(tr["policy"], pcfg, *args, attention="dense")
+    return step_lib.cotrain_objective(
+      tr["policy"], tr["draft"], logits, taps, nat, None, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl, lam=1.0
+    )
+
+  def step(tr, b):
+    return step_lib.cotrain_loss(
+      tr, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl, lam=1.0, max_tokens=24, vocab_chunk=8
+    )
+
+  (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr)
+  (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(tr, sequence.lay_out(batch, 1))
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  _assert_metrics_close(m1, m0, err="sampling")
+  tol.assert_grads_close(g1["policy"], g0["policy"], rtol=1e-5, err="policy ")
+  # the settings took effect: the untruncated T = 1 entropy differs
+  (_, m_plain), _ = jax.jit(
+    jax.value_and_grad(_loss(c, pcfg, dcfg, None, "token-mean"), has_aux=True)
+  )(tr, sequence.lay_out(batch, 1))
+  assert abs(float(m_plain["entropy"]) - float(m1["entropy"])) > 0.1
+
+
 def _mesh(layout):
   c = default_config.get_config(f"smoke,layout={layout}")
   c.parallel.devices = int(np.prod(list(c.parallel.mesh.values())))

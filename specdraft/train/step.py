@@ -158,13 +158,19 @@ def cotrain_objective(
   attn_impl: str = "dense",
   mesh=None,
 ):
-  """L_RL + lam * L_draft from the policy's logits and (stop-gradient) taps of ONE forward.
-
-  Shared by the single-program step and the pipelined one (where it runs on the last stage)."""
+  """L_RL + lam * L_draft from the policy's logits and (stop-gradient) taps of ONE forward, in
+  natural order (the dense oracle of `sequence.cotrain_body`). The RL log-probs and the entropy
+  are of the distribution the rollouts sample (`rl.temperature`, `rl.top_k`, `rl.top_p`), as in
+  the sharded step; the draft's targets stay the policy's own logits."""
+  from specdraft.decode.sampling import Sampling, processed_logits
   from specdraft.model import eagle3
   from specdraft.rl import grpo
 
-  logp = completion_logprobs(logits, batch["tokens"])
+  sampling = Sampling(rl_cfg.temperature, rl_cfg.get("top_k", 0), rl_cfg.get("top_p", 1.0))
+  sampled = logits
+  if sampling.temperature > 0 and sampling != Sampling():
+    sampled = processed_logits(logits, *sampling)
+  logp = completion_logprobs(sampled, batch["tokens"])
   rl_loss, metrics = grpo.policy_loss(
     logp,
     batch["logprobs"],
@@ -178,7 +184,7 @@ def cotrain_objective(
     beta=rl_cfg.beta,
     kl_estimator=rl_cfg.kl_estimator,
   )
-  metrics["entropy"] = jax.lax.stop_gradient(entropy_of(logits, batch["loss_mask"]))
+  metrics["entropy"] = jax.lax.stop_gradient(entropy_of(sampled, batch["loss_mask"]))
   total = rl_loss
   if train_draft:
     draft_loss, dm = eagle3.ttt_loss(
