@@ -5,7 +5,7 @@ Smoke: python experiments/drift.py --config=configs/drift.py:smoke --workdir=/tm
 
 The default run's setting (configs/default.py: a 12-layer policy, a one-layer draft, K = 3 TTT
 steps): SFT data mixes two answer formats (95% "columns", 5% "semicolon": same work, other
-separators) with a freely varying scratchpad (about 0.4 nats per answer token); the RL reward pays
+separators) with a freely varying scratchpad (spaces: about 0.35 nats per answer token); the RL reward pays
 only for correct answers in the rare format, so the policy's output distribution moves. From one
 SFT policy and one distilled draft, three arms run RL: A (autoregressive rollouts), B (SD with
 the fixed draft), C (SD with the co-trained draft), each over 5 seeds by default.

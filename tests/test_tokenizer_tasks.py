@@ -1,3 +1,6 @@
+import collections
+import re
+
 import numpy as np
 import pytest
 
@@ -110,15 +113,15 @@ def _canonical(answer: str) -> str:
 def test_arithmetic_free_variation_keeps_the_work_and_the_answer():
   t = Arithmetic(formats="columns:0.5,semicolon:0.5", free_order=True, space_prob=0.5)
   rng = np.random.default_rng(0)
-  variants = set()
+  varied = 0
   for _ in range(400):
     ex = t.sample(rng)
     nums = [int(x) for x in ex.prompt[:-1].split("+")]
     fmt = "semicolon" if ";" in ex.answer else "columns"
     assert t.reward(ex, ex.answer) == 1.0
     assert _canonical(ex.answer) == _canonical(t.solve(nums, fmt)), ex
-    variants.add(ex.answer != t.solve(nums, fmt))
-  assert variants == {True, False}  # some answers vary, some happen to be canonical
+    varied += ex.answer != t.solve(nums, fmt)
+  assert varied > 380  # nearly every answer differs from the canonical text
   assert t.solve([57, 68]) == "7+8+0=15,5+6+1=12,1=1|125"  # no rng: canonical
 
 
@@ -138,6 +141,17 @@ def test_arithmetic_entropy_per_token_matches_the_sampled_answers():
   assert 0.15 < h < 0.35
   spaced = Arithmetic(min_digits=2, max_digits=2, free_order=True, space_prob=0.5)
   assert spaced.entropy_per_token(np.random.default_rng(1), n=500) > h + 0.1
+  # spaces alone, exact: "7+8+0=15,5+6+1=12,1=1|125" has 2 * (4 '+' + 3 '=') + 2 ',' = 16 places,
+  # each a fair coin: 2^16 answers, 16 ln 2 nats
+  sp = Arithmetic(space_prob=0.5)
+  answers = [sp.solve([57, 68], "columns", rng) for _ in range(20000)]
+  assert {a.replace(" ", "") for a in answers} == {"7+8+0=15,5+6+1=12,1=1|125"}
+  assert set(range(3, 14)) <= {a.count(" ") for a in answers} <= set(range(17))
+  n_spaces = np.array([a.count(" ") for a in answers])
+  assert abs(n_spaces.mean() - 8.0) < 0.1 and abs(n_spaces.var() - 4.0) < 0.25  # Binomial(16, 1/2)
+  # the two places around the first '+': four patterns, each a quarter (independent places)
+  first_gaps = collections.Counter(re.match(r"7( ?)\+( ?)8", a).groups() for a in answers)
+  assert len(first_gaps) == 4 and min(first_gaps.values()) > 4500
   assert Arithmetic().entropy_per_token(np.random.default_rng(1), n=50) == 0.0
 
 

@@ -12,8 +12,8 @@ move the policy's output distribution (the drift experiment).
 Free variation (many valid outputs, so a policy sampled at temperature 1 keeps real entropy):
   free_order: each worked column lists its terms (digits and carry in) in a random order and
     writes its equation either way round, `"8+0+7=15"` or `"15=7+0+8"`;
-  space_prob: after every '+', '=' and column separator a space follows with this probability,
-    `"8+ 0+7= 15, 6+5+1=12"`.
+  space_prob: before and after every '+' and '=' in the work, and after every column separator, a
+    space stands with this probability, each independently: `"7 +8+ 0= 15, 5+6 + 1=12"`.
 The answer after '|' never varies and is all the reward reads (with the format). `entropy_per_token`
 gives the entropy the SFT data itself has per answer token (the level a policy fit to it reaches).
 """
@@ -105,8 +105,11 @@ class Arithmetic:
     free = rng is not None and self.free_order and worked
     space = self.space_prob if rng is not None else 0.0
 
-    def sp(sym: str) -> str:
-      return sym + (" " if space and rng.random() < space else "")
+    def gap() -> str:
+      return " " if space and rng.random() < space else ""
+
+    def sp(sym: str) -> str:  # a separator: a space may follow; '+' and '=': precede and follow
+      return (gap() if sym in "+=" else "") + sym + gap()
 
     steps = []
     for terms, s in self._columns(nums):
@@ -115,7 +118,7 @@ class Arithmetic:
         continue
       if free:
         terms = [terms[i] for i in rng.permutation(len(terms))]
-      lhs = sp("+").join(map(str, terms))
+      lhs = str(terms[0]) + "".join(sp("+") + str(t) for t in terms[1:])
       steps.append(f"{s}{sp('=')}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp('=')}{s}")
     carry = total // 10 ** len(self._columns(nums))
     if carry:
@@ -139,7 +142,7 @@ class Arithmetic:
       nums = [int(x) for x in ex.prompt[:-1].split("+")]
       fmt = format_of(ex.answer)
       canon = self.solve(nums, fmt)
-      slots = sum(canon.split("|")[0].count(c) for c in "+=,;")
+      slots = _space_slots(canon)
       total_len += len(canon) + 1 + slots * self.space_prob
       total_h += slots * h_space
       if self.free_order and fmt in ("columns", "semicolon"):
@@ -167,12 +170,19 @@ class Arithmetic:
     longest = 0
     for f in FORMATS:
       answer = self.solve(nums, f)
-      spaces = sum(answer.split("|")[0].count(c) for c in "+=,;") if self.space_prob else 0
+      spaces = _space_slots(answer) if self.space_prob else 0
       longest = max(longest, len(answer) + spaces)
     return len("+".join(map(str, nums)) + "=") + longest
 
 
 FORMATS = ("columns", "semicolon", "sums", "direct")
+
+
+def _space_slots(answer: str) -> int:
+  """Where `space_prob` may put a space in a canonical answer: before and after each '+' and '=',
+  after each separator (the final answer after '|' never varies)."""
+  work = answer.split("|")[0]
+  return 2 * (work.count("+") + work.count("=")) + work.count(",") + work.count(";")
 
 
 def format_of(completion: str) -> str:
