@@ -162,7 +162,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       free_order=False,
       space_prob=0.5,
     )
-    c.decode.max_new_tokens = 56  # the longest spaced answer is 54 characters, then EOS
+    # a spaced answer has at most 58 characters, then EOS; BOS + prompt + answer + EOS <= 68
+    c.decode.max_new_tokens = 60
+    c.data.seq_len = 72
     c.sft.steps, c.sft.lr = 800, 2e-3
     c.draft.pretrain_steps = 160
     # K = 3 TTT steps: the co-training step costs about 1.2x an RL-only step at 12 layers
