@@ -48,7 +48,7 @@ def test_parse_arg():
   ],
 )
 def test_invalid_configs_name_the_field(field, value, match):
-  c = default_config.get_config("layout=dp8")
+  c = default_config.get_config("size=tiny,layout=dp8")  # 4 layers: tap layer 4 is out of range
   node = c
   *path, last = field.split(".")
   for p in path:
