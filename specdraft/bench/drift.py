@@ -13,8 +13,8 @@ from scipy import stats
 from specdraft.bench import provenance
 from specdraft.decode import speculative
 from specdraft.decode.compare import decoding_figures
-from specdraft.tasks import loader
 from specdraft.train import loop
+from specdraft.train.evaluate import held_out_prompts
 
 ARM_NAMES = {
   "none": "A: AR rollouts",
@@ -68,8 +68,7 @@ def tau_by_temperature(ctx, params, dparams) -> dict:
   """tau of SD on the held-out prompts (`eval.batch_size` rows, G = `decode.num_draft`) at the
   rollouts' temperature and at T = 0 (greedy): {"T=<t>": tau, "T=0": tau}."""
   c = ctx.config
-  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(c.eval.batch_size)]
-  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  prompts_BS, lengths_B = held_out_prompts(ctx)
   out = {}
   for t in (c.rl.temperature, 0.0):
     gen = speculative.generate(

@@ -71,13 +71,20 @@ def _place_rows(prompts_BS, lengths_B, sharding):
   return jax.device_put((prompts_BS, lengths_B), (sharding, rows))
 
 
+def held_out_prompts(ctx):
+  """(prompts_BS, lengths_B): `eval.batch_size` held-out prompts (repeated if there are fewer),
+  rows sharded as in rollouts."""
+  n = ctx.config.eval.batch_size
+  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(n)]
+  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  return _place_rows(prompts_BS, lengths_B, ctx.rows_sh)
+
+
 def rollout_report(ctx, params, dparams, *, repeats: int = 3) -> dict:
   """SD vs AR on `eval.batch_size` held-out prompts at `eval.sd_temperature` and G =
   `decode.num_draft` (figures defined in decode/compare.py), rows sharded as in rollouts."""
   c = ctx.config
-  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(c.eval.batch_size)]
-  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
-  prompts_BS, lengths_B = _place_rows(prompts_BS, lengths_B, ctx.rows_sh)
+  prompts_BS, lengths_B = held_out_prompts(ctx)
   return compare_rollouts(
     params,
     dparams,
