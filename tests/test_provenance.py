@@ -242,3 +242,47 @@ def test_a_commit_during_the_run_is_refused(tmp_path, monkeypatch):
   _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "second")
   with pytest.raises(RuntimeError, match="HEAD moved"):
     provenance.write_results(results, {"x": 1})
+
+
+def test_make_run_only_goals_read_the_run_summary_and_render(tmp_path):
+  """configs/wall_times.py:make_run_only: the goals are fixed on the summary `make run` writes
+  (speedup, reward after SFT, its gain, entropy) and the README section shows the run's table."""
+  from configs import wall_times
+  from specdraft.bench import readme
+
+  c = wall_times.get_config("make_run_only")
+  assert c.runs == 1 and list(c.steps) == ["venv"] and c.make_run
+  summary = {
+    "task": "arithmetic",
+    "rollout_draft": "cotrained",
+    "reward_first": 0.2,
+    "reward_last": 0.5,
+    "entropy_first": 0.35,
+    "entropy_last": 0.3,
+    "rollout": {
+      "speedup": 1.4,
+      "tau": 3.1,
+      "temperature": 1.0,
+      "num_draft": 5,
+      "sd_policy_passes_per_token": 0.32,
+      "ar_policy_passes_per_token": 1.0,
+      "greedy_equal": True,
+    },
+  }
+  payload = {"make_run_s": 1100.0, "make_run_summary": summary, "make_run_reward_gain": 0.3}
+  out = provenance.write_results(
+    str(tmp_path / "docs" / "results" / "make_run"),
+    payload,
+    goals=provenance.goals_from_config(c.goals),
+    command=["wall_times.py"],
+  )
+  met = {k: g["met"] for k, g in out["goals"].items()}
+  assert met == {
+    "make_run": True,
+    "sd_speedup": False,
+    "reward_after_sft": True,
+    "reward_rises": True,
+    "entropy": True,
+  }
+  text = readme.make_run(out)
+  assert "18.3 min" in text and "rollout speedup" in text

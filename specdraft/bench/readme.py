@@ -534,6 +534,22 @@ def wall_times(r: dict) -> str:
   return "\n\n".join(parts)
 
 
+def make_run(r: dict) -> str:
+  """`make run` timed alone in a clean clone (configs/wall_times.py:make_run_only)."""
+  parts = [
+    "### `make run` at the default config",
+    f"Timed in a clean clone after `make venv`, on {r['cpu_count']} CPU cores ({r['cpu']}): "
+    f"{_f(r['make_run_s'] / 60, 1)} min.",
+  ]
+  if r.get("make_run_summary"):
+    from specdraft.train.report import summary_table  # the table `make run` prints
+
+    parts.append(
+      "The summary table it printed:\n\n```\n" + summary_table(r["make_run_summary"]) + "\n```"
+    )
+  return "\n\n".join(parts)
+
+
 def long_run(r: dict, rel_dir: str) -> str:
   m, run = r["measured"], r["run"]
   rows = [
@@ -565,6 +581,7 @@ def long_run(r: dict, rel_dir: str) -> str:
 
 # (results file, renderer); a renderer takes the results and the file's directory.
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
+  ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),

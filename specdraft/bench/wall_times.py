@@ -104,6 +104,9 @@ def run(config, workdir: str) -> dict:
   }
   if config.make_run:
     payload["make_run_s"], payload["make_run_summary"] = time_make_run(clones[-1], logs)
+    summary = payload["make_run_summary"] or {}
+    first, last = summary.get("reward_first"), summary.get("reward_last")
+    payload["make_run_reward_gain"] = None if first is None or last is None else last - first
     print(f"make run: {payload['make_run_s']} s", flush=True)
   out = provenance.write_results(workdir, payload, goals=provenance.goals_from_config(config.goals))
   print(provenance.goals_table(out["goals"]), flush=True)
