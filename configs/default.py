@@ -74,6 +74,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       retrieval=dict(
         num_records=64, key_len=3, value_len=3, hops=1, queries=1, min_records=0, query_end=":"
       ),
+      frequency=dict(length=512, num_symbols=16, top_k=5, alpha=0.5, min_length=0),
       jsonl=dict(path=""),
     )
   )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import long as long_config
-from specdraft.tasks import Retrieval
+from specdraft.tasks import Frequency, Retrieval
 from specdraft.train import loop
 
 
@@ -69,6 +69,52 @@ def test_retrieval_record_count_range():
   assert Retrieval(num_records=6, query_end="=").reward(ex, ex.answer) == 1.0
   with pytest.raises(ValueError, match="query_end"):
     Retrieval(num_records=6, query_end="=", queries=2)
+
+
+def test_frequency_answer_is_the_ranking_of_the_context_counts():
+  """The answer lists the top_k symbols by their counts in the prompt (unique: ranks 1..k+1 have
+  strictly decreasing counts), the counts follow the Zipf law, and the reward is graded."""
+  task = Frequency(length=300, num_symbols=10, top_k=4, alpha=0.5)
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    ex = task.sample(rng)
+    ctx = ex.prompt[:-1]
+    assert ex.prompt.endswith("?") and ctx.isalpha() and len(set(ctx)) == 10
+    counts = sorted((ctx.count(ch) for ch in set(ctx)), reverse=True)
+    assert counts == sorted(task.counts(300), reverse=True)
+    top = ex.answer.split(",")
+    assert [ctx.count(ch) for ch in top] == counts[:4] and len(set(counts[:5])) == 5
+    assert task.solve(ex.prompt) == ex.answer and task.reward(ex, ex.answer) == 1.0
+    assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+    wrong = ",".join([top[0], top[2], top[1], top[3]])
+    assert task.reward(ex, wrong) == 0.5
+    assert task.reward(ex, ",".join(top[:2])) == 0.5
+    assert task.reward(ex, ex.answer + ",a") == 0.0  # an extra item
+  w = np.arange(1, 11) ** -0.5
+  np.testing.assert_array_equal(task.counts(300)[5:], np.floor(300 * w / w.sum())[5:])
+  # too short a context for distinct counts: ranks 1..k are raised above the next one
+  np.testing.assert_array_equal(
+    Frequency(length=10, num_symbols=10, top_k=3).counts(10)[:4], [3, 2, 1, 0]
+  )
+  assert Frequency(length=10, num_symbols=10, top_k=3).solve("aabaccd?") == "a,c,b"
+
+
+def test_frequency_length_range_and_errors():
+  task = Frequency(length=200, min_length=50, num_symbols=8, top_k=3)
+  rng = np.random.default_rng(1)
+  lengths = {len(task.sample(rng).prompt) for _ in range(40)}
+  assert min(lengths) < 120 and max(lengths) > 130 and all(50 <= n <= 210 for n in lengths)
+  for kw, field in [
+    (dict(num_symbols=1), "num_symbols"),
+    (dict(num_symbols=8, top_k=8), "top_k"),
+    (dict(alpha=0.0), "alpha"),
+    (dict(length=4, num_symbols=8), "length"),
+    (dict(length=100, min_length=200), "min_length"),
+  ]:
+    with pytest.raises(ValueError, match=f"task.frequency.{field}"):
+      Frequency(**kw)
+  with pytest.raises(ValueError, match="not a frequency prompt"):
+    task.solve("abc=1;?abc:")
 
 
 @pytest.mark.slow  # ~3 min each; `make test-slow` (and CI) run them

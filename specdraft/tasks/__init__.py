@@ -5,11 +5,12 @@ from __future__ import annotations
 from specdraft.tasks.arithmetic import Arithmetic
 from specdraft.tasks.base import Example, Task
 from specdraft.tasks.countdown import Countdown
+from specdraft.tasks.frequency import Frequency
 from specdraft.tasks.jsonl import JsonlTask, load_jsonl
 from specdraft.tasks.retrieval import Retrieval
 from specdraft.tasks.tokenizer import CharTokenizer
 
-TASKS = ("arithmetic", "countdown", "retrieval", "jsonl")
+TASKS = ("arithmetic", "countdown", "retrieval", "frequency", "jsonl")
 
 
 def make_task(task_cfg) -> Task:
@@ -21,6 +22,8 @@ def make_task(task_cfg) -> Task:
     return Countdown(**dict(task_cfg.countdown))
   if name == "retrieval":
     return Retrieval(**dict(task_cfg.retrieval))
+  if name == "frequency":
+    return Frequency(**dict(task_cfg.frequency))
   if name == "jsonl":
     if not task_cfg.jsonl.path:
       raise ValueError("task.jsonl.path must name a JSONL file when task.name='jsonl'")
@@ -34,6 +37,7 @@ __all__ = [
   "CharTokenizer",
   "Countdown",
   "Example",
+  "Frequency",
   "JsonlTask",
   "Retrieval",
   "Task",
