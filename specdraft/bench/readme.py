@@ -550,6 +550,12 @@ def make_run(r: dict) -> str:
   return "\n\n".join(parts)
 
 
+_LONG_TASKS = {
+  "retrieval": "Key-value retrieval among distractor records",
+  "frequency": "The five most frequent letters of the context, in order (graded reward)",
+}
+
+
 def long_run(r: dict, rel_dir: str) -> str:
   m, run = r["measured"], r["run"]
   rows = [
@@ -564,7 +570,7 @@ def long_run(r: dict, rel_dir: str) -> str:
   ]
   head = (
     f"### Long-context co-training run: {m['tokens_per_row']} tokens per row, `{m['layout']}`\n\n"
-    f"Key-value retrieval among distractor records (`configs/long.py`): SFT "
+    f"{_LONG_TASKS.get(run.get('task'), run.get('task'))} (`configs/long.py`): SFT "
     f"({run.get('sft_steps')} steps) → draft distillation ({run.get('draft_steps')} steps) → "
     f"{m['rl_steps_run']} RL co-training steps with speculative rollouts, every training step on "
     f"sequence shards over `cp = {m['cp']}`; wall time {_f(m['wall_seconds'] / 60, 1)} min. "
