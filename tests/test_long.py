@@ -1,4 +1,5 @@
-"""Long-context co-training end to end: the retrieval task and `configs/long.py:smoke` under cp8."""
+"""Long-context co-training end to end: the frequency and retrieval tasks and `configs/long.py:smoke`
+under cp8 and pp2_cp2_dp2."""
 
 import json
 import os
@@ -118,17 +119,17 @@ def test_frequency_length_range_and_errors():
 
 
 @pytest.mark.slow  # ~3 min each; `make test-slow` (and CI) run them
-@pytest.mark.parametrize("layout", ["cp8", "pp2_cp2_dp2"])
-def test_long_context_smoke_run(tmp_path, layout):
+@pytest.mark.parametrize("layout,task", [("cp8", "frequency"), ("pp2_cp2_dp2", "retrieval")])
+def test_long_context_smoke_run(tmp_path, layout, task):
   """SFT -> draft distillation -> RL co-training with SD rollouts, every training step on
   sequence shards over cp (under pp2_cp2_dp2 through the pipeline, the objective on the last
   stage's shards)."""
-  c = long_config.get_config(f"smoke,layout={layout}")
+  c = long_config.get_config(f"smoke,layout={layout},task={task}")
   assert c.parallel.name == layout and c.parallel.mesh.cp > 1
   c.data.data_dir = str(tmp_path / "tfds")
   out = str(tmp_path / "run")
   summary = loop.train_and_evaluate(c, out)
-  assert summary["task"] == "retrieval"
+  assert summary["task"] == task
   with open(os.path.join(out, "metrics.jsonl")) as f:
     rl = [json.loads(line) for line in f]
   assert [r["step"] for r in rl] == list(range(1, c.rl.steps + 1))
