@@ -71,8 +71,10 @@ def custom_parallel(parallel_cfg) -> tuple[str, ml_collections.ConfigDict] | Non
     return None
   p = parallel_cfg.copy_and_resolve_references()
   p.devices = math.prod(sizes.values())
-  if int(sizes["pp"]) > 1 and "pipeline" not in p:
-    p.pipeline = dict(layouts.PIPELINE_DEFAULTS, microbatches=2 * sizes["pp"])
+  if "pipeline" not in p:
+    p.pipeline = dict(layouts.PIPELINE_DEFAULTS, microbatches=0)
+  if int(p.pipeline.microbatches) == 0:  # the named layouts' default
+    p.pipeline.microbatches = 2 * sizes["pp"]
   name = "custom:" + ",".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
   p.name = "custom"
   return name, p
