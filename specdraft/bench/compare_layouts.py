@@ -47,6 +47,7 @@ from specdraft.model import eagle3, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts
 from specdraft.parallel import mesh as mesh_lib
+from specdraft.tasks.tokenizer import CharTokenizer
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
 
@@ -118,7 +119,8 @@ class Setup:
 def make_setup(config, *, model=None, batch_size=None, seq_len=None, host_batch=True) -> Setup:
   """The comparison's model (`config.model`, or `model`) and a rollout-shaped batch."""
   model = config.model if model is None else model
-  vocab = int(model.get("vocab_size", 0)) or 99
+  # the run's character vocabulary unless the model names its own (the plan's)
+  vocab = int(model.get("vocab_size", 0)) or CharTokenizer().vocab_size
   pcfg = pol.PolicyConfig.from_config(model, vocab)
   dcfg = eagle3.DraftConfig.from_config(config.draft, pcfg)
   cmp = config.compare
