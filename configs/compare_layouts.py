@@ -70,28 +70,32 @@ def get_config(arg: str | None = None):
       init_std=0.02,
       tap_layers=(1, 43, 84),
     ),
-    batch_size=128,  # rows of 32K tokens: 4M tokens per step; divides data*fsdp*microbatches
+    # 64 rows of 32K tokens (2M tokens per step): one row per device under fsdp64; divides
+    # data*fsdp of every mesh, and data*fsdp*microbatches of the pipelined one
+    batch_size=64,
     seq_len=32768,
+    microbatches=8,  # pipeline microbatches of pp meshes (0: 2 * pp, as the named layouts)
     compute=dict(attn_tile=512, vocab_chunk=1024, remat=True),
+    isolate=True,  # each mesh compiles in a child process (an XLA check failure aborts one)
     meshes=dict(
       fsdp64=dict(fsdp=64),
       fsdp8_tp8=dict(fsdp=8, tensor=8),
       fsdp8_cp8=dict(fsdp=8, cp=8),
-      fsdp4_tp8_cp2=dict(fsdp=4, tensor=8, cp=2),
+      tp8_cp8=dict(tensor=8, cp=8),
       pp8_fsdp8=dict(pp=8, fsdp=8),
     ),
   )
   if arg.smoke:
-    c.compare.plan.update(seq_len=256)
+    c.compare.plan.update(batch_size=128, seq_len=256, microbatches=0)
     c.compare.plan.model.update(
       d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab_size=512
     )
     c.compare.plan.model.tap_layers = (1, 3, 4)
     c.compare.plan.compute.update(attn_tile=64, vocab_chunk=64)
+    # (fsdp x tensor meshes with pp or cp abort XLA's SPMD partitioner in jaxlib 0.10.2: a
+    # failed check in its gather partitioning; the plan reports them as errors)
     c.compare.plan.meshes = dict(
-      fsdp64=dict(fsdp=64),
-      fsdp32_tp2=dict(fsdp=32, tensor=2),
-      pp2_fsdp16_tp2=dict(pp=2, fsdp=16, tensor=2),
+      fsdp64=dict(fsdp=64), fsdp32_tp2=dict(fsdp=32, tensor=2), pp2_fsdp32=dict(pp=2, fsdp=32)
     )
   # Fixed before the run (copied into results.json with pass/fail).
   c.compare.goals = dict(

@@ -548,12 +548,13 @@ def run(config, workdir: str) -> dict:
 def plan(config) -> dict:
   """Compiles the co-training step for abstract inputs (nothing is allocated) of
   `compare.plan.model` under every mesh of `compare.plan.meshes` (and the command line's),
-  on `compare.plan.devices` devices; returns {mesh name: per-device figures}."""
+  on `compare.plan.devices` devices; returns {mesh name: per-device figures}.
+
+  With `compare.plan.isolate` each mesh compiles in a child process: XLA's partitioner aborts
+  the whole process on a failed internal check (it does for fsdp x tensor meshes with pp or cp in
+  jaxlib 0.10.2), and the plan must report such a mesh, not die of it."""
   p = config.compare.plan
-  c = config.copy_and_resolve_references()
-  c.compute.update(p.compute.to_dict())
-  s = make_setup(c, model=p.model, batch_size=p.batch_size, seq_len=p.seq_len, host_batch=False)
-  entries = [(name, _plan_parallel(name, sizes, p.devices)) for name, sizes in p.meshes.items()]
+  entries = [(name, _plan_parallel(name, sizes, p)) for name, sizes in p.meshes.items()]
   custom = custom_parallel(config.parallel)
   if custom is not None:
     entries.append(custom)
@@ -564,15 +565,13 @@ def plan(config) -> dict:
         f"config.compare.plan.meshes[{name!r}] covers {parallel.devices} devices; every planned "
         f"mesh must cover config.compare.plan.devices={p.devices}"
       )
-    lay = make_layout(name, parallel)
-    try:
-      out = compile_layout(s, lay, sft=False)
-    except Exception as e:  # a layout that does not compile is reported, not hidden
-      rows[name] = {"mesh": _mesh_text(parallel), "error": f"{type(e).__name__}: {e}"[:400]}
-      print(f"{name:>24}: {rows[name]['error']}", flush=True)
-      continue
-    rows[name] = {"devices": lay.devices, "mesh": _mesh_text(parallel), **out["cotrain"]}
+    rows[name] = (
+      _plan_isolated(config, name, parallel) if p.isolate else plan_row(config, name, parallel)
+    )
     r = rows[name]
+    if "error" in r:
+      print(f"{name:>24}: {r['error']}", flush=True)
+      continue
     print(
       f"{name:>24}: arguments {r['argument_bytes'] / 2**30:8.2f} GiB, temp "
       f"{r['temp_bytes'] / 2**30:8.2f} GiB, peak {r['peak_bytes'] / 2**30:8.2f} GiB, "
@@ -583,7 +582,39 @@ def plan(config) -> dict:
   return rows
 
 
-def _plan_parallel(name: str, sizes, devices: int) -> ml_collections.ConfigDict:
+def plan_row(config, name: str, parallel) -> dict:
+  """One planned mesh's per-device figures, or {"error": ...} when it does not compile."""
+  p = config.compare.plan
+  c = config.copy_and_resolve_references()
+  c.compute.update(p.compute.to_dict())
+  s = make_setup(c, model=p.model, batch_size=p.batch_size, seq_len=p.seq_len, host_batch=False)
+  lay = make_layout(name, parallel)
+  try:
+    out = compile_layout(s, lay, sft=False)
+  except Exception as e:  # a layout that does not compile is reported, not hidden
+    return {"mesh": _mesh_text(parallel), "error": f"{type(e).__name__}: {e}"[:400]}
+  return {"devices": lay.devices, "mesh": _mesh_text(parallel), **out["cotrain"]}
+
+
+def _plan_isolated(config, name: str, parallel) -> dict:
+  """`plan_row` in a fresh (spawned) process with this process's environment (XLA_FLAGS: the
+  simulated device count) and import path."""
+  import concurrent.futures
+  import multiprocessing
+
+  ctx = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+    try:
+      return pool.submit(plan_row, config, name, parallel).result()
+    except concurrent.futures.process.BrokenProcessPool:
+      return {
+        "mesh": _mesh_text(parallel),
+        "error": "the compiler aborted the process (an XLA internal check failed; its message "
+        "is on stderr above)",
+      }
+
+
+def _plan_parallel(name: str, sizes, plan_cfg) -> ml_collections.ConfigDict:
   p = config_lib.layout_config("single")
   for axis, size in dict(sizes).items():
     if axis not in layouts.AXES:
@@ -591,8 +622,8 @@ def _plan_parallel(name: str, sizes, devices: int) -> ml_collections.ConfigDict:
         f"config.compare.plan.meshes[{name!r}] has axis {axis!r}; valid axes are {layouts.AXES}"
       )
     p.mesh[axis] = int(size)
-  p.name, p.devices = "custom", int(devices)
-  p.pipeline.microbatches = 2 * int(p.mesh.pp)
+  p.name, p.devices = "custom", int(plan_cfg.devices)
+  p.pipeline.microbatches = int(plan_cfg.get("microbatches", 0)) or 2 * int(p.mesh.pp)
   return p
 
 
