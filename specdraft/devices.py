@@ -97,6 +97,16 @@ def layout_devices(argv: Sequence[str]) -> tuple[int, str]:
   return max(math.prod(sizes.values()), want, 1), f"layout {name!r} ({shape})"
 
 
+def config_int(argv: Sequence[str], key: str, default: int) -> int:
+  """The integer of `--config.<key>=N` on the command line (the last one wins), else `default`;
+  a value that is not an integer gives `default` (the config's own validation reports it)."""
+  prefix, _, name = key.rpartition(".")
+  try:
+    return int(_overrides(argv, f"{prefix}." if prefix else "").get(name, default))
+  except ValueError:
+    return default
+
+
 def _default_layout(path: str) -> str | None:
   """A config file's module-level `DEFAULT_LAYOUT = "name"` (read with `ast`, not imported: the
   config imports JAX, which must not be imported yet)."""

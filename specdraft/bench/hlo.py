@@ -196,3 +196,131 @@ def dot_flops(hlo: str) -> int:
       k = math.prod(lhs[i] for i in idx)
       total += 2 * math.prod(_dims(d.group(2))) * k * max(runs.get(comp, 1), 1)
   return total
+
+
+# ----------------------------------------------------------------------------- every collective
+
+# The collective kinds a sharded step uses; `-start` forms (async) count once, `-done` never.
+COLLECTIVE_KINDS = (
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "collective-permute",
+  "all-to-all",
+)
+_COLLECTIVE = re.compile(
+  r" (all-gather|reduce-scatter|all-reduce|collective-permute|all-to-all)(-start)?\("
+)
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_GROUP_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str  # one of COLLECTIVE_KINDS
+  name: str
+  computation: str
+  result_bytes: int  # per device, one execution (the gathered buffer for all-gather)
+  group_size: int  # devices that take part together (n)
+  runs: int  # executions per program run (enclosing loop trip counts)
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes one device sends per program run, under the ring algorithm XLA's collectives use on
+    a ring or torus (a bandwidth figure: latency and topology are left out):
+
+      all-gather      result x (n-1)/n        (every device receives the n-1 shards it lacks)
+      reduce-scatter  result x (n-1)          (operand = n x result; (n-1)/n of it is sent)
+      all-reduce      2 x result x (n-1)/n    (a reduce-scatter, then an all-gather)
+      all-to-all      result x (n-1)/n        (every device keeps 1/n of its operand)
+      collective-permute  result              (one copy to its target)
+    """
+    n, r = self.group_size, self.result_bytes
+    if self.kind == "collective-permute":
+      per_run = r
+    elif n <= 1:
+      per_run = 0.0
+    elif self.kind == "reduce-scatter":
+      per_run = r * (n - 1)
+    elif self.kind == "all-reduce":
+      per_run = 2 * r * (n - 1) / n
+    else:
+      per_run = r * (n - 1) / n
+    return per_run * self.runs
+
+
+def _group_size(line: str, num_devices: int) -> int:
+  """n from the op's replica groups: explicit lists `{{0,1},{2,3}}`, iota `[4,2]<=[8]`, or mesh
+  axes `mesh['axis_0'=4,'axis_1'=2] {'axis_1'}` (a sub-axis `'axis_0':(1)2` has its own size)."""
+  m = _GROUPS_MESH.search(line)
+  if m:
+    sizes = {name: int(size) for name, size in _MESH_AXIS.findall(m.group(1))}
+    n = 1
+    for name, _, sub in _GROUP_AXIS.findall(m.group(2)):
+      n *= int(sub) if sub else sizes[name]
+    return n
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    return int(m.group(2))
+  m = _GROUPS_LIST.search(line)
+  if m and m.group(1):
+    first = re.match(r"\{([0-9,]*)\}", m.group(1)).group(1)
+    return len([x for x in first.split(",") if x])
+  return num_devices  # replica_groups={} (or none): every device of the program
+
+
+def _result_bytes(kind: str, is_start: bool, shape_text: str) -> int:
+  """The result's bytes; an async `-start` returns a tuple that also holds the operand."""
+  if not is_start or kind in ("all-reduce", "reduce-scatter", "all-to-all"):
+    return _shape_bytes(shape_text)
+  arrays = _ARRAY.findall(shape_text)
+  if kind == "collective-permute":  # (operand, result, context...): count the operand
+    arrays = arrays[: max(len(arrays) // 2, 1)]
+  else:  # all-gather-start: (operands..., results...)
+    arrays = arrays[len(arrays) // 2 :]
+  return _shape_bytes(" ".join(f"{d}[{s}]" for d, s in arrays))
+
+
+def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
+  """Every collective of the program (kinds in COLLECTIVE_KINDS) with its result bytes, group size
+  and how often it runs. `num_devices` (default: the module's num_partitions) sizes groups that
+  the HLO leaves implicit."""
+  if num_devices is None:
+    m = _PARTITIONS.search(hlo)
+    num_devices = int(m.group(1)) if m else 1
+  comps = _computations(hlo)
+  runs = _run_counts(hlo, comps)
+  out = []
+  for comp, lines in comps.items():
+    for line in lines:
+      m = _COLLECTIVE.search(line)
+      if not m or " = " not in line:
+        continue
+      kind, is_start = m.group(1), bool(m.group(2))
+      lhs, _, rhs = line.partition(" = ")
+      shape_text = rhs[: rhs.index(m.group(0).lstrip())]
+      out.append(
+        Collective(
+          kind=kind,
+          name=lhs.strip().removeprefix("ROOT ").lstrip("%"),
+          computation=comp,
+          result_bytes=_result_bytes(kind, is_start, shape_text),
+          group_size=_group_size(line, num_devices),
+          runs=max(runs.get(comp, 1), 1),
+        )
+      )
+  return out
+
+
+def collective_bytes(hlo: str, num_devices: int | None = None) -> dict[str, dict[str, float]]:
+  """{kind: {"sent_bytes": per device per run (see `Collective.sent_bytes`), "ops": count}} for
+  every kind in COLLECTIVE_KINDS (zeros where the program has none)."""
+  out = {k: {"sent_bytes": 0.0, "ops": 0} for k in COLLECTIVE_KINDS}
+  for c in collectives(hlo, num_devices):
+    out[c.kind]["sent_bytes"] += c.sent_bytes
+    out[c.kind]["ops"] += 1
+  return out

@@ -29,6 +29,7 @@ LAYOUTS = {
   "dp8": {"data": 8},
   "fsdp8": {"fsdp": 8},
   "tp2_dp4": {"tensor": 2, "data": 4},
+  "fsdp4_tp2": {"fsdp": 4, "tensor": 2},
   "fsdp2_dp4": {"fsdp": 2, "data": 4},
   "cp2": {"cp": 2},
   "cp4": {"cp": 4},
@@ -38,6 +39,7 @@ LAYOUTS = {
   "pp4": {"pp": 4},
   "pp4_dp2": {"pp": 4, "data": 2},
   "pp2_cp2_dp2": {"pp": 2, "cp": 2, "data": 2},
+  "pp2_tp2_dp2": {"pp": 2, "tensor": 2, "data": 2},
   "tp2_cp2_dp2": {"tensor": 2, "cp": 2, "data": 2},
 }
 

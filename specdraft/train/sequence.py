@@ -76,8 +76,8 @@ def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
   return out
 
 
-def shard(batch: dict, mesh, rules):
-  """device_put a laid-out batch: rows by the 'batch' rule, per-token arrays' sequence axis by
+def batch_shardings(batch: dict, mesh, rules) -> dict:
+  """Shardings of a laid-out batch: rows by the 'batch' rule, per-token arrays' sequence axis by
   the 'length' rule (the 'cp' axis)."""
   from specdraft.parallel import mesh as mesh_lib
 
@@ -86,7 +86,12 @@ def shard(batch: dict, mesh, rules):
     logical += (None,) * (np.ndim(x) - len(logical))
     return jax.sharding.NamedSharding(mesh, mesh_lib.logical_to_spec(logical, rules, mesh))
 
-  return jax.device_put(batch, {k: sharding(k, x) for k, x in batch.items()})
+  return {k: sharding(k, x) for k, x in batch.items()}
+
+
+def shard(batch: dict, mesh, rules):
+  """device_put a laid-out batch with `batch_shardings`."""
+  return jax.device_put(batch, batch_shardings(batch, mesh, rules))
 
 
 def cp_size(mesh, axis: str = "cp") -> int:

@@ -1,0 +1,234 @@
+"""Sharding layouts compared (specdraft/bench/compare_layouts.py): collective bytes read from the
+HLO against a count by hand, every named layout's co-training step against the single-device
+step, the comparison at smoke size, the plan, and the committed sharding snapshots."""
+
+import difflib
+import json
+import os
+
+import _tolerance as tol
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from configs import compare_layouts as compare_config
+from specdraft.bench import compare_layouts as cl
+from specdraft.bench import hlo as hlo_lib
+from specdraft.parallel import layouts
+
+SNAPSHOTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshots", "shardings")
+UPDATE = (
+  "python experiments/compare_layouts.py --config=configs/compare_layouts.py:smoke "
+  "--update_snapshots"
+)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def test_collective_bytes_by_hand():
+  """One collective of each kind over the 4-device axis of a 4x2 mesh, inside a loop of 3 trips:
+  bytes sent per device as the ring algorithm counts them (hlo.Collective.sent_bytes)."""
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+
+  def body(x_16, y_8):
+    s = jax.lax.psum(x_16, "a")  # all-reduce f32[16]: 2 * 64 * 3/4 = 96 bytes
+    g = jax.lax.all_gather(y_8, "a", tiled=True)  # all-gather -> f32[32]: 128 * 3/4 = 96
+    r = jax.lax.psum_scatter(x_16 * 2, "a", tiled=True)  # reduce-scatter -> f32[4]: 16 * 3 = 48
+    p = jax.lax.ppermute(y_8, "a", [(i, (i + 1) % 4) for i in range(4)])  # permute f32[8]: 32
+    t = jax.lax.all_to_all(y_8 * 3, "a", 0, 0, tiled=True)  # all-to-all f32[8]: 32 * 3/4 = 24
+    return jnp.sum(s) + jnp.sum(g) + jnp.sum(r) + jnp.sum(p) + jnp.sum(t)
+
+  f = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(PartitionSpec("a"), PartitionSpec("a")),  # x: [64] -> 16 each; y: [32] -> 8 each
+    out_specs=PartitionSpec(),
+    axis_names={"a"},
+    check_vma=False,
+  )
+
+  def looped(x, y):
+    return jax.lax.fori_loop(0, 3, lambda i, c: c + f(x + c, y * c), 0.0)
+
+  text = jax.jit(looped).lower(jnp.ones(64), jnp.ones(32)).compile().as_text()
+  got = hlo_lib.collective_bytes(text)
+  want = {
+    "all-reduce": 96,
+    "all-gather": 96,
+    "reduce-scatter": 48,
+    "collective-permute": 32,
+    "all-to-all": 24,
+  }
+  for kind, per_run in want.items():
+    assert got[kind]["ops"] >= 1, f"{kind}: not found in the program"
+    assert got[kind]["sent_bytes"] == 3 * per_run, f"{kind}: {got[kind]}"
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.fixture(scope="module")
+def smoke():
+  """The comparison's smoke config and setup (2 KV heads, so tensor layouts split them) and the
+  single-device reference: (config, setup, initial parameters, (metrics, gradients))."""
+  c = compare_config.get_config("smoke")
+  s = cl.make_setup(c)
+  trainable = cl.initial_trainable(s)
+  single = cl.make_layout("single", cl.named_parallel("single"))
+  return c, s, trainable, cl.cotrain_grads(s, single, trainable)
+
+
+def test_smoke_model_has_two_kv_heads(smoke):
+  c, s, *_ = smoke
+  assert s.pcfg.n_kv_heads == 2 and s.pcfg.n_heads % 2 == 0
+
+
+# pp layouts compile the pipeline's schedule: the slowest cases
+_SLOW = {"pp4", "pp4_dp2", "pp2_cp2_dp2"}
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n
+    for n in sorted(layouts.LAYOUTS)
+    if n != "single"
+  ],
+)
+def test_every_layout_cotrain_step_equals_single_device(name, smoke):
+  """Every named layout (a new one is tested by being named in LAYOUTS): the co-training loss,
+  gradient norms and every gradient leaf, relative to its norm, equal the single-device step's."""
+  c, s, trainable, (m1, g1) = smoke
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  m2, g2 = cl.cotrain_grads(s, lay, trainable)
+  assert float(m1["draft_loss"]) > 0 and float(m1["draft_grad_norm"]) > 0
+  for k in ("loss", "rl_loss", "draft_loss", "policy_grad_norm", "draft_grad_norm"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-4, atol=1e-6, err_msg=f"{name}: {k}")
+  tol.assert_grads_close(g2, g1, rtol=1e-4, err=name)
+  p = cl.parity_figures((m2, g2), (m1, g1), rtol=1e-4)
+  assert p["passed"] and p["max_grad_rel_diff"] <= 1e-4
+
+
+def test_parity_figures_catch_a_wrong_gradient(smoke):
+  """The comparison's parity verdict fails when one leaf is off by 1e-3 of its norm."""
+  *_, (m, g) = smoke
+  bad = jax.tree.map(np.array, g)
+  w = bad["policy"]["layers"]["wq"]
+  w += 1e-3 * np.linalg.norm(w) / np.sqrt(w.size)
+  p = cl.parity_figures((m, bad), (m, g), rtol=1e-4)
+  assert not p["passed"] and p["worst_leaf"] == "['policy']['layers']['wq']"
+  assert p["max_grad_rel_diff"] == pytest.approx(1e-3, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def test_comparison_at_smoke_size(tmp_path):
+  """single beside a mesh from the command line (data=2, fsdp=2, tensor=2): figures that must
+  hold, a results file with provenance and goals, the table and the plots."""
+  c = compare_config.get_config("smoke")
+  c.compare.layouts = "single"
+  c.compare.repeats = 1
+  c.parallel.mesh.data, c.parallel.mesh.fsdp, c.parallel.mesh.tensor = 2, 2, 2
+  res = cl.run(c, str(tmp_path))
+  rows = res["layouts"]
+  assert list(rows) == ["single", "custom:data=2,fsdp=2,tensor=2"]
+  single, custom = rows.values()
+  for r in rows.values():
+    for step in ("cotrain", "sft"):
+      assert all(r[step][k] > 0 for k in cl.QUANTITIES), r[step]
+      assert r[step]["flops"] > 0 and r[step]["dot_flops"] > 0
+    assert r["parity"]["passed"], r["parity"]
+    assert r["step_seconds"] > 0
+  for step in ("cotrain", "sft"):
+    assert single[step]["collective_bytes"] == 0
+    assert custom[step]["collectives"]["all-reduce"]["sent_bytes"] > 0  # gradients over data
+    # fsdp x tensor shard the policy and its Adam moments: fewer argument bytes per device
+    assert custom[step]["argument_bytes"] < single[step]["argument_bytes"]
+    # a quarter of the batch per device and half the heads: fewer matmul FLOPs
+    assert custom[step]["dot_flops"] < single[step]["dot_flops"] / 4
+  assert single["time_over_single"] == 1.0
+  written = json.load(open(tmp_path / "results.json"))
+  assert written["goals"]["parity"]["met"] and written["goals"]["single_moves_nothing"]["met"]
+  assert "commit" in written and "command" in written
+  for f in ("table.md", "peak_memory.png", "collectives.png", "time.png", "parity.png"):
+    assert (tmp_path / f).stat().st_size > 0, f
+  assert "custom:data=2,fsdp=2,tensor=2" in (tmp_path / "table.md").read_text()
+
+
+def test_selected_layouts_and_a_command_line_mesh():
+  c = compare_config.get_config("smoke")
+  c.compare.layouts = "dp8,fsdp4_tp2"
+  assert [n for n, _ in cl.selected(c)] == ["single", "dp8", "fsdp4_tp2"]
+  assert [int(p.devices) for _, p in cl.selected(c)] == [1, 8, 8]
+  c.compare.layouts = "all"
+  c.parallel.mesh.pp, c.parallel.mesh.tensor = 2, 2
+  entries = dict(cl.selected(c))
+  assert set(entries) == set(layouts.LAYOUTS) | {"custom:tensor=2,pp=2"}
+  p = entries["custom:tensor=2,pp=2"]
+  assert int(p.devices) == 4 and int(p.pipeline.microbatches) == 4
+
+
+def test_unknown_layout_names_the_field():
+  c = compare_config.get_config("smoke")
+  c.compare.layouts = "single,dp3"
+  with pytest.raises(ValueError, match=r"config.compare.layouts='single,dp3' is invalid.*dp3"):
+    cl.selected(c)
+
+
+@pytest.mark.slow
+def test_plan_compiles_abstract_inputs_on_eight_devices(capsys):
+  """The plan at smoke size on the 8 test devices: fsdp shards the policy's arguments (the draft
+  stays replicated) and trades the gradient all-reduce for all-gathers and reduce-scatters."""
+  c = compare_config.get_config("smoke")
+  c.compare.plan.devices = 8
+  c.compare.plan.batch_size = 16
+  c.compare.plan.meshes = {"dp8": {"data": 8}, "fsdp8": {"fsdp": 8}}
+  rows = cl.plan(c)
+  assert all("error" not in r for r in rows.values()), rows
+  assert rows["fsdp8"]["argument_bytes"] < rows["dp8"]["argument_bytes"] / 2
+  assert rows["dp8"]["collectives"]["all-reduce"]["sent_bytes"] > 0
+  assert rows["fsdp8"]["collectives"]["all-gather"]["sent_bytes"] > 0
+  assert rows["dp8"]["collectives"]["all-gather"]["sent_bytes"] == 0
+  assert "fsdp8" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+@pytest.fixture(scope="module")
+def snapshot_setup():
+  return cl.make_setup(compare_config.get_config("smoke"), host_batch=False)
+
+
+@pytest.mark.parametrize("name", sorted(layouts.LAYOUTS))
+def test_sharding_snapshot(name, snapshot_setup):
+  """The PartitionSpec of every parameter and optimizer-state leaf equals the committed one."""
+  path = os.path.join(SNAPSHOTS, f"{name}.txt")
+  got = cl.snapshot_text(snapshot_setup, cl.make_layout(name, cl.named_parallel(name)))
+  assert os.path.exists(path), f"no snapshot for layout {name!r}: run `{UPDATE}`"
+  want = open(path).read()
+  if got != want:
+    diff = "".join(
+      difflib.unified_diff(
+        want.splitlines(True), got.splitlines(True), f"committed {name}.txt", "now"
+      )
+    )
+    pytest.fail(
+      f"the shardings of layout {name!r} changed:\n{diff}\nIf this is intended, run `{UPDATE}` "
+      "and commit the snapshots."
+    )
+
+
+def test_snapshot_names_every_leaf_with_its_spec(snapshot_setup):
+  text = cl.snapshot_text(
+    snapshot_setup, cl.make_layout("fsdp4_tp2", cl.named_parallel("fsdp4_tp2"))
+  )
+  lines = dict(line.split("  ", 1) for line in text.splitlines()[1:])
+  assert lines["params/policy/layers/wq"].endswith("(None, 'fsdp', 'tensor', None)")
+  mu = [k for k in lines if k.endswith("mu/policy/layers/wq")]
+  assert len(mu) == 1 and lines[mu[0]] == lines["params/policy/layers/wq"]
+  assert lines["params/draft/fc"].endswith("()")  # the draft is replicated
