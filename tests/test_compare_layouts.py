@@ -86,14 +86,17 @@ def test_smoke_model_has_two_kv_heads(smoke):
   assert s.pcfg.n_kv_heads == 2 and s.pcfg.n_heads % 2 == 0
 
 
-# pp layouts compile the pipeline's schedule: the slowest cases
-_SLOW = {"pp4", "pp4_dp2", "pp2_cp2_dp2"}
+# `make test` keeps the layouts whose co-training step no other test compares (the tensor
+# combinations and fsdp8, ~12 s each); the rest run in `make test-slow`: the cp layouts' steps are
+# also compared in tests/test_sequence.py, pp4_dp2's in tests/test_pipeline.py, and the pp layouts
+# compile the pipeline's schedule (the slowest cases).
+_FAST = {"fsdp8", "tp2_dp4", "fsdp4_tp2", "pp2_tp2_dp2"}
 
 
 @pytest.mark.parametrize(
   "name",
   [
-    pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n
+    n if n in _FAST else pytest.param(n, marks=pytest.mark.slow)
     for n in sorted(layouts.LAYOUTS)
     if n != "single"
   ],
@@ -126,6 +129,7 @@ def test_parity_figures_catch_a_wrong_gradient(smoke):
 # ----------------------------------------------------------------------------- the comparison
 
 
+@pytest.mark.slow  # ~1 min
 def test_comparison_at_smoke_size(tmp_path):
   """single beside a mesh from the command line (data=2, fsdp=2, tensor=2): figures that must
   hold, a results file with provenance and goals, the table and the plots."""
