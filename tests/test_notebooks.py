@@ -31,7 +31,18 @@ def test_committed_notebook_carries_no_outputs(path):
   assert "from specdraft" in source or "import specdraft" in source, path
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+# Notebooks that compile many programs (~1 min here) execute in `make test-slow` (CI runs both).
+_SLOW = {"04_compare_layouts.ipynb"}
+
+
+@pytest.mark.parametrize(
+  "path",
+  [
+    pytest.param(p, marks=pytest.mark.slow) if os.path.basename(p) in _SLOW else p
+    for p in NOTEBOOKS
+  ],
+  ids=IDS,
+)
 def test_notebook_executes(path):
   """Runs in a fresh kernel from notebooks/ on 8 simulated CPU devices, at the smoke sizes."""
   nb = nbformat.read(path, as_version=4)
