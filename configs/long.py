@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from configs import default
 from specdraft.config import parse_arg
+from specdraft.tasks.frequency import Frequency
 
 # Read by the entry points (without importing this file) to simulate the devices on CPU.
 DEFAULT_LAYOUT = "cp8"
@@ -94,8 +95,9 @@ def get_config(arg: str | None = None):
   if task == "frequency":
     length = arg.length or (200 if arg.smoke else 8160 if arg.long else 984)
     c.task.frequency.update(length=length, num_symbols=16, top_k=5, alpha=0.5, min_length=0)
-    need = length + 15 + 1 + 9 + 2  # context, rank bumps (<= 5*6/2), "?", "a,b,c,d,e", BOS+EOS
-    c.decode.max_new_tokens = 10  # five letters, four commas, EOS
+    task_ = Frequency(**c.task.frequency)
+    need = task_.max_length() + 2  # prompt and answer, BOS and EOS
+    c.decode.max_new_tokens = 2 * task_.top_k  # "a,b,c,d,e" and EOS
   else:
     records = 16 if arg.smoke else 1024 if arg.long else arg.records
     queries = min(arg.queries, records)

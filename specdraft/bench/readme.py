@@ -486,6 +486,15 @@ def _runs(n: int) -> str:
   return "once" if n == 1 else f"{n} times in a row"
 
 
+def _make_run_table(r: dict, lead: str) -> list[str]:
+  """The summary table `make run` printed, when the results carry it."""
+  if not r.get("make_run_summary"):
+    return []
+  from specdraft.train.report import summary_table
+
+  return [f"{lead}:\n\n```\n" + summary_table(r["make_run_summary"]) + "\n```"]
+
+
 def wall_times(r: dict) -> str:
   rows = [
     [
@@ -523,14 +532,7 @@ def wall_times(r: dict) -> str:
     parts.append(
       f"`make run` (the default config, from the last clone): {_f(r['make_run_s'] / 60, 1)} min."
     )
-  if r.get("make_run_summary"):
-    from specdraft.train.report import summary_table  # the table `make run` prints
-
-    parts.append(
-      "The summary table that run printed:\n\n```\n"
-      + summary_table(r["make_run_summary"])
-      + "\n```"
-    )
+  parts += _make_run_table(r, "The summary table that run printed")
   return "\n\n".join(parts)
 
 
@@ -541,12 +543,7 @@ def make_run(r: dict) -> str:
     f"Timed in a clean clone after `make venv`, on {r['cpu_count']} CPU cores ({r['cpu']}): "
     f"{_f(r['make_run_s'] / 60, 1)} min.",
   ]
-  if r.get("make_run_summary"):
-    from specdraft.train.report import summary_table  # the table `make run` prints
-
-    parts.append(
-      "The summary table it printed:\n\n```\n" + summary_table(r["make_run_summary"]) + "\n```"
-    )
+  parts += _make_run_table(r, "The summary table it printed")
   return "\n\n".join(parts)
 
 
