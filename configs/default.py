@@ -74,7 +74,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       retrieval=dict(
         num_records=64, key_len=3, value_len=3, hops=1, queries=1, min_records=0, query_end=":"
       ),
-      frequency=dict(length=512, num_symbols=16, top_k=5, alpha=0.5, min_length=0),
+      frequency=dict(
+        length=512,
+        num_symbols=16,
+        top_k=5,
+        alpha=0.5,
+        min_length=0,
+        label_noise=0.0,
+        semicolon_share=0.0,
+      ),
       jsonl=dict(path=""),
     )
   )
@@ -121,6 +129,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       top_k=0,  # 0: off
       top_p=1.0,  # 1: off; rollouts and the RL loss's log-probs use the same truncation
       lr=2e-4,
+      warmup_steps=0,  # the policy's lr ramps up over these steps (train/step.py)
       grad_clip=1.0,
       b2=0.98,
       weight_decay=0.0,

@@ -160,6 +160,9 @@ def _validate_rl(config) -> None:
     _fail("rl.prompts_per_step/steps", (rl.prompts_per_step, rl.steps), "need >= 1 and >= 0")
   if rl.lam < 0 or rl.beta < 0:
     _fail("rl.lam/beta", (rl.lam, rl.beta), "must be >= 0")
+  warmup = rl.get("warmup_steps", 0)
+  if int(warmup) != warmup or warmup < 0:
+    _fail("rl.warmup_steps", warmup, "must be an integer >= 0 (0 = the full rl.lr from step 1)")
   if config.rollout.draft not in ROLLOUT_DRAFTS:
     _fail("rollout.draft", config.rollout.draft, f"expected one of {ROLLOUT_DRAFTS}")
   if config.rollout.draft != "none" and config.draft.pretrain_steps == 0 and rl.steps > 0:

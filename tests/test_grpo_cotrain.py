@@ -170,6 +170,30 @@ def test_lambda_zero_policy_update_is_bit_identical_to_rl_only(setup):
   assert _maxabs(jax.tree.map(lambda a, b: a - b, outs["co1"]["draft"], dparams)) > 0
 
 
+def test_rl_warmup_ramps_the_policy_step_only():
+  """rl.warmup_steps = w: the policy's Adam steps are lr / (w + 1), ..., lr (linear), then lr; the
+  draft's rate is untouched. A constant gradient makes each Adam step about its learning rate."""
+  c = default_config.get_config("size=tiny,smoke")
+  c.rl.lr, c.draft.cotrain_lr, c.rl.grad_clip = 1e-2, 1e-3, 1e9
+  params = {"policy": {"w": jnp.zeros(3)}, "draft": {"w": jnp.zeros(3)}}
+  grads = jax.tree.map(jnp.ones_like, params)
+
+  def steps(warmup, n):
+    c.rl.warmup_steps = warmup
+    tx = step_lib.make_cotrain_optimizer(c.rl, c.draft)
+    st, out = tx.init(params), []
+    for _ in range(n):
+      upd, st = tx.update(grads, st, params)
+      out.append((-float(upd["policy"]["w"][0]), -float(upd["draft"]["w"][0])))
+    return np.asarray(out)
+
+  flat, ramp = steps(0, 6), steps(3, 6)
+  np.testing.assert_allclose(flat[:, 0], 1e-2, rtol=1e-4)
+  np.testing.assert_allclose(ramp[:, 0], 1e-2 * np.array([0.25, 0.5, 0.75, 1, 1, 1]), rtol=1e-4)
+  np.testing.assert_allclose(ramp[:, 1], flat[:, 1], rtol=1e-6)
+  np.testing.assert_allclose(flat[:, 1], 1e-3, rtol=1e-4)
+
+
 def _count_scans(jaxpr, layer_ff):
   """Scans over stacked policy layers in a jaxpr: scan primitives that take a [n, E, F] operand
   (the layers' stacked MLP weights, `layer_ff` = (E, F)). Other loops (attention tiles, the

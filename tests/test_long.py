@@ -100,6 +100,39 @@ def test_frequency_answer_is_the_ranking_of_the_context_counts():
   assert Frequency(length=10, num_symbols=10, top_k=3).solve("aabaccd?") == "a,c,b"
 
 
+def test_frequency_label_noise_changes_only_the_reference_answers():
+  """Noise replaces about q of the answer's places by another symbol of the context; the prompt
+  and the reward (verified from the prompt) are those of the noiseless task."""
+  clean = Frequency(length=120, num_symbols=8, top_k=3)
+  noisy = Frequency(length=120, num_symbols=8, top_k=3, label_noise=0.4)
+  rng, wrong, n = np.random.default_rng(2), 0, 300
+  for _ in range(n):
+    ex = noisy.sample(rng)
+    got, want = ex.answer.split(","), noisy.solve(ex.prompt).split(",")
+    assert len(got) == 3 and set(got) <= set(ex.prompt[:-1])
+    wrong += sum(g != w for g, w in zip(got, want))
+    assert noisy.reward(ex, ",".join(want)) == clean.reward(ex, ",".join(want)) == 1.0
+    assert noisy.reward(ex, ex.answer) == pytest.approx(sum(g == w for g, w in zip(got, want)) / 3)
+  assert abs(wrong / (3 * n) - 0.4) < 0.05  # 900 places: 5 standard errors is 0.08
+  # off by default, and then the stream of examples is the noiseless task's
+  a, b = np.random.default_rng(3), np.random.default_rng(3)
+  assert [clean.sample(a) for _ in range(5)] == [
+    Frequency(length=120, num_symbols=8, top_k=3, label_noise=0.0).sample(b) for _ in range(5)
+  ]
+
+
+def test_frequency_semicolon_answers_are_in_the_data_but_unpaid():
+  task = Frequency(length=120, num_symbols=8, top_k=2, semicolon_share=0.3)
+  rng = np.random.default_rng(4)
+  exs = [task.sample(rng) for _ in range(400)]
+  semi = [e for e in exs if ";" in e.answer]
+  assert abs(len(semi) / len(exs) - 0.3) < 0.07  # 400 answers: 3 standard errors is 0.07
+  for e in exs:
+    right = task.solve(e.prompt)
+    assert e.answer.replace(";", ",") == right and task.reward(e, right) == 1.0
+    assert task.reward(e, right.replace(",", ";")) == 0.0  # the same symbols, the unpaid form
+
+
 def test_frequency_length_range_and_errors():
   task = Frequency(length=200, min_length=50, num_symbols=8, top_k=3)
   rng = np.random.default_rng(1)
@@ -111,6 +144,8 @@ def test_frequency_length_range_and_errors():
     (dict(alpha=0.0), "alpha"),
     (dict(length=4, num_symbols=8), "length"),
     (dict(length=100, min_length=200), "min_length"),
+    (dict(label_noise=1.0), "label_noise"),
+    (dict(semicolon_share=-0.1), "semicolon_share"),
   ]:
     with pytest.raises(ValueError, match=f"task.frequency.{field}"):
       Frequency(**kw)

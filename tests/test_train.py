@@ -203,6 +203,10 @@ def test_train_and_evaluate_smoke_and_exact_resume(smoke_config, tmp_path):
   full = str(tmp_path / "full")
   summary = loop.train_and_evaluate(c, full)
   assert summary["sft_steps"] == c.sft.steps
+  ph = summary["phase_seconds"]  # each phase's wall time; together within the run's
+  assert list(ph) == ["sft", "draft", "rl", "report", "plots"]
+  assert all(v > 0 for v in ph.values()) and sum(ph.values()) <= summary["wall_seconds"]
+  assert "wall time (s): sft / draft / rl / report / plots" in loop.summary_table(summary)
   for f in (
     "sft_metrics.jsonl",
     "eval.jsonl",

@@ -13,6 +13,18 @@ factor (1 + 1/k)^alpha, so at alpha = 0.5 ranks 4 and 5 differ by 12% and must b
 reading the whole context. With `min_length = m < length` each prompt draws its length uniformly
 from [m, length].
 
+`label_noise = q` makes the reference answers (the SFT data) imperfect, as real SFT data is: each
+place independently holds, with probability q, a symbol drawn uniformly from the other symbols of
+the context. The reward still verifies against the prompt, so the SFT policy learns to sample a
+wrong symbol about q of the time at temperature 1 while its greedy answer stays right; the RL phase
+has that noise to remove (the reward of its samples can rise toward the greedy accuracy).
+
+`semicolon_share = s` writes a share s of the reference answers with ";" between the symbols. The
+reward reads only the "," form (a ";" answer is one wrong item and earns 0), so the SFT policy
+answers in the unpaid form about s of the time and RL can raise the reward by dropping it: the
+same mechanism as the arithmetic task's rare rewarded format, here one decision per answer that
+does not depend on the context, which a policy gradient finds within a few steps.
+
 Why this task next to key-value retrieval (tasks/retrieval.py): both need the whole context, but
 the lookup of a key is an induction-style circuit that a small policy learns only after many
 thousands of steps of a large batch (measured probes are in configs/long.py), while a histogram of
@@ -39,6 +51,8 @@ class Frequency:
   top_k: int = 5
   alpha: float = 0.5
   min_length: int = 0  # 0: every prompt has `length` symbols
+  label_noise: float = 0.0  # per place of the reference answer: a wrong symbol (SFT data only)
+  semicolon_share: float = 0.0  # reference answers written "a;b;c" (the reward reads only ",")
   name: str = "frequency"
 
   def __post_init__(self):
@@ -61,6 +75,13 @@ class Frequency:
         f"[{self.num_symbols}, {self.length}], got {self.min_length}"
       )
 
+    if not 0.0 <= self.label_noise < 1.0:
+      raise ValueError(f"task.frequency.label_noise must be in [0, 1), got {self.label_noise}")
+    if not 0.0 <= self.semicolon_share < 1.0:
+      raise ValueError(
+        f"task.frequency.semicolon_share must be in [0, 1), got {self.semicolon_share}"
+      )
+
   def counts(self, n: int) -> np.ndarray:
     """Occurrences of the symbols of rank 1..num_symbols in a context of about n symbols: the
     Zipf law rounded down, then ranks 1..top_k raised where needed to stay strictly above the next
@@ -79,7 +100,15 @@ class Frequency:
     symbols = letters[rng.permutation(26)[: self.num_symbols]]  # symbols[i] takes rank i + 1
     context = np.repeat(symbols, self.counts(n))
     context = context[rng.permutation(len(context))]
-    return Example("".join(context) + "?", ",".join(symbols[: self.top_k]))
+    answer = list(symbols[: self.top_k])
+    if self.label_noise:  # draws nothing when off: noiseless datasets are unchanged
+      for i in np.flatnonzero(rng.random(self.top_k) < self.label_noise):
+        others = np.delete(symbols, i)
+        answer[i] = others[rng.integers(len(others))]
+    sep = ","
+    if self.semicolon_share and rng.random() < self.semicolon_share:  # draws nothing when off
+      sep = ";"
+    return Example("".join(context) + "?", sep.join(answer))
 
   def solve(self, prompt: str) -> str:
     if not prompt.endswith("?") or not prompt[:-1].isalpha():

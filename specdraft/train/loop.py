@@ -43,28 +43,43 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   t_start = time.time()
   ctx = Context(config, workdir)  # validates the config before anything compiles
   stop = dict([stop_after]) if stop_after else {}
+  # Wall seconds of each phase in this invocation (a phase resumed as complete costs ~0).
+  phase_seconds = {}
+  tick = time.time()
+
+  def lap(name):
+    nonlocal tick
+    now = time.time()
+    phase_seconds[name] = now - tick
+    tick = now
 
   # 1. SFT.
   params, done = sft_phase(ctx, stop.get("sft"))
+  lap("sft")
 
   # 2. Draft distillation from the fixed SFT policy (or the untrained draft when skipped).
   dparams = init_draft(ctx, params)
   if done and config.draft.pretrain_steps > 0:
     dparams, done = draft_phase(ctx, params, stop.get("draft"))
+  lap("draft")
 
   # 3. RL: rollouts by SD (rollout.draft = cotrained | fixed) or AR (none), one co-training step.
   if done and config.rl.steps > 0:
     state, done = rl_phase(ctx, params, dparams, stop.get("rl"))
     params, dparams = state["params"]["policy"], state["params"]["draft"]
+  lap("rl")
 
   # 4. SD vs AR on the final checkpoint, once every phase has finished.
   rollout = None
   if done and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
     rollout = rollout_report(ctx, params, dparams)
+  lap("report")
 
   # 5. Plots and the summary.
   write_plots(workdir, config, ttt_steps=ctx.dcfg.ttt_steps)
   summary = summarise(workdir, config, rollout)
+  lap("plots")
+  summary["phase_seconds"] = phase_seconds
   summary["wall_seconds"] = time.time() - t_start
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)

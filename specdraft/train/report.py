@@ -194,6 +194,9 @@ def summary_table(summary: dict) -> str:
       ),
       ("greedy SD == AR (every row)", "yes" if r["greedy_equal"] else "NO"),
     ]
+  ph = summary.get("phase_seconds")
+  if ph:
+    rows.append((f"wall time (s): {' / '.join(ph)}", " / ".join(f"{v:.0f}" for v in ph.values())))
   rows.append(("wall time (s)", summary.get("wall_seconds")))
   w = max(len(k) for k, _ in rows)
   return "\n".join(["", "Summary", "-" * (w + 14)] + [f"{k:<{w}}  {f(v)}" for k, v in rows])

@@ -124,7 +124,15 @@ def make_cotrain_optimizer(rl_cfg, draft_cfg, *, train_draft: bool = True):
     else optax.set_to_zero()
   )
   labels = lambda params: {k: jax.tree.map(lambda _: k, v) for k, v in params.items()}
-  return optax.multi_transform({"policy": _adamw(rl_cfg, rl_cfg.lr), "draft": draft_tx}, labels)
+  # rl.warmup_steps: the policy's learning rate ramps linearly from rl.lr / (warmup + 1) to rl.lr.
+  # A fresh Adam state moves every parameter by about the full learning rate on its first steps
+  # (the update is ~sign(g) before the second moment has averaged), which noisy policy gradients
+  # turn into a random step away from the SFT policy; the ramp keeps those first steps small.
+  warmup = int(rl_cfg.get("warmup_steps", 0))
+  lr = rl_cfg.lr
+  if warmup:
+    lr = optax.linear_schedule(rl_cfg.lr / (warmup + 1), rl_cfg.lr, transition_steps=warmup)
+  return optax.multi_transform({"policy": _adamw(rl_cfg, lr), "draft": draft_tx}, labels)
 
 
 def completion_logprobs(logits_BSV, tokens_BS):
