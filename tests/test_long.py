@@ -131,6 +131,7 @@ def test_frequency_semicolon_answers_are_in_the_data_but_unpaid():
     right = task.solve(e.prompt)
     assert e.answer.replace(";", ",") == right and task.reward(e, right) == 1.0
     assert task.reward(e, right.replace(",", ";")) == 0.0  # the same symbols, the unpaid form
+    assert task.format_of(e.answer) == ("semicolon" if e in semi else "comma")
 
 
 def test_frequency_length_range_and_errors():
@@ -172,3 +173,17 @@ def test_long_context_smoke_run(tmp_path, layout, task):
     assert np.isfinite(r["loss"]) and np.isfinite(r["draft_loss"])
   assert max(r["accept_len"] for r in rl) > 1.0  # SD rollouts accepted drafted tokens
   assert os.path.exists(os.path.join(out, "plots", "reward.png"))
+
+
+def test_long_run_reports_each_answer_form_over_the_first_and_last_fifth():
+  from specdraft.bench import long_run
+
+  comma = [0.5, 0.7, 0.6, 0.6, 0.8, 0.9, 0.8, 0.9, 1.0, 0.9]  # a fifth of 10 steps is 2
+  rows = [{"format_share": {"comma": c, "semicolon": 1 - c}} for c in comma]
+  rows[-1]["format_share"] = {"comma": 0.9, "semicolon": 0.05, "other": 0.05}
+  got = long_run._format_shares(rows)
+  assert got["format_share_first"] == pytest.approx({"comma": 0.6, "other": 0.0, "semicolon": 0.4})
+  assert got["format_share_last"] == pytest.approx(
+    {"comma": 0.95, "other": 0.025, "semicolon": 0.025}
+  )
+  assert long_run._format_shares([{"reward_mean": 0.1}]) == {}  # tasks without answer forms

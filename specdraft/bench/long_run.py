@@ -47,6 +47,20 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   return out
 
 
+def _format_shares(rl_rows: list[dict]) -> dict:
+  """Each answer form's share of the rollouts over the first and the last fifth of the RL steps
+  (tasks with `format_of`, e.g. frequency's "comma" and "semicolon"); {} for other tasks."""
+  if not all("format_share" in r for r in rl_rows):
+    return {}
+  k = max(1, len(rl_rows) // 5)
+  forms = sorted({f for r in rl_rows for f in r["format_share"]})
+  mean = lambda rows, f: float(np.mean([r["format_share"].get(f, 0.0) for r in rows]))
+  return {
+    "format_share_first": {f: mean(rl_rows[:k], f) for f in forms},
+    "format_share_last": {f: mean(rl_rows[-k:], f) for f in forms},
+  }
+
+
 def measured(config, summary: dict, rl_rows: list[dict]) -> dict:
   """The figures the goals read: tokens per row, layout, the RL reward's rise (last fifth of the
   steps minus the first fifth, as in the run summary) and the accepted length over the RL steps."""
@@ -67,6 +81,7 @@ def measured(config, summary: dict, rl_rows: list[dict]) -> dict:
       reward_gain=summary["reward_last"] - summary["reward_first"],
       accept_len_mean=float(np.mean(tau)),
       accept_len_min=float(np.min(tau)),
+      **_format_shares(rl_rows),
       losses_finite=bool(
         all(np.isfinite(r[k]) for r in rl_rows for k in ("rl_loss",) if r.get(k) is not None)
       ),

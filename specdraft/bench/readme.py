@@ -549,7 +549,10 @@ def make_run(r: dict) -> str:
 
 _LONG_TASKS = {
   "retrieval": "Key-value retrieval among distractor records",
-  "frequency": "The five most frequent letters of the context, in order (graded reward)",
+  "frequency": (
+    "The two most frequent of eight letters of the context, in order (graded reward; 40% of the "
+    "SFT answers are written in a form the reward does not pay)"
+  ),
 }
 
 
@@ -574,6 +577,10 @@ def long_run(r: dict, rel_dir: str) -> str:
     f"Greedy test accuracy after SFT {_f(m['accuracy_after_sft'], 3)}, after RL "
     f"{_f(m['accuracy_after_rl'], 3)}."
   )
+  if m.get("format_share_first"):
+    a, b = m["format_share_first"], m["format_share_last"]
+    forms = ", ".join(f"'{f}' {a[f]:.0%} → {b.get(f, 0):.0%}" for f in a)
+    head += f" Answer forms of the rollouts, first fifth of the RL steps → last fifth: {forms}."
   table = _table(["RL step", "reward", "accepted length τ", "RL loss", "draft loss"], rows)
   lines = [head, "", table]
   plots = [p for p in ("reward.png", "accept_len.png") if p in r.get("plots", [])]

@@ -122,6 +122,11 @@ class Frequency:
     got, want = completion.strip().split(","), self.solve(example.prompt).split(",")
     return float(sum(g == w for g, w in zip(got, want))) / len(want) * (len(got) <= len(want))
 
+  def format_of(self, completion: str) -> str:
+    """ "semicolon" for an answer in the unpaid ";" form, else "comma" (the RL metrics report the
+    share of each per step)."""
+    return "semicolon" if ";" in completion else "comma"
+
   def max_length(self) -> int:
     context = self.length + self.top_k * (self.top_k + 1) // 2
     return context + 1 + 2 * self.top_k - 1
