@@ -2,6 +2,9 @@
 
 Run:   python experiments/bench_rollout.py --config=configs/bench_rollout.py --workdir=runs/bench_rollout
 Smoke: python experiments/bench_rollout.py --config=configs/bench_rollout.py:smoke --workdir=/tmp/br
+G sweep at the default run's setting (which G makes SD fastest for `make run`):
+       python experiments/bench_rollout.py --config=configs/bench_rollout.py:sweep \
+         --workdir=docs/results/bench_num_draft
 
 The policy is sized like real systems relative to its draft (12 layers against the draft's one),
 trained here first (SFT + draft distillation; skipped when the workdir already holds them).
@@ -16,7 +19,9 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, task="arithmetic")
+  arg = parse_arg(arg, smoke=False, task="arithmetic", sweep=False)
+  if arg.sweep:
+    return sweep_config(arg.smoke)
   c = default.get_config(f"size=bench,task={arg.task}" + (",smoke" if arg.smoke else ""))
   c.rl.steps = 0  # the benchmark needs the SFT policy and the distilled draft only
   if not arg.smoke:
@@ -66,3 +71,34 @@ def goals(batch_sizes, num_draft: int, temperature: float) -> dict:
       what=f"SD/AR tokens per second at batch {large}",
     ),
   )
+
+
+def sweep_config(smoke: bool = False):
+  """SD at several G against AR on the default run's SFT policy and distilled draft
+  (configs/default.py: its task, sizes, K, batch of held-out prompts and 60 new tokens), all timed
+  side by side by `decode.compare.sweep_num_draft`."""
+  c = default.get_config("smoke" if smoke else None)
+  c.rl.steps = 0  # the SFT policy and the distilled draft that make run's RL phase starts from
+  c.bench = dict(
+    batch_sizes=(c.eval.batch_size,),
+    num_draft_sweep=(1, 2, 3, 4, 5, 6) if not smoke else (1, 2),
+    temperature=c.rl.temperature,
+    repeats=2 if smoke else 5,
+    max_new_tokens=c.decode.max_new_tokens,
+  )
+  c.bench.goals = dict(
+    best_speedup=dict(
+      metric="sweep.best_speedup",
+      op=">=",
+      target=1.5,
+      what=f"SD/AR tokens per second at the best G, batch {c.eval.batch_size}, "
+      f"T={c.bench.temperature:g} (the default run's setting)",
+    ),
+    greedy_equal=dict(
+      metric="greedy_equal",
+      op="==",
+      target=True,
+      what="greedy SD tokens == greedy AR tokens on every row, exactly (at the best G)",
+    ),
+  )
+  return c

@@ -523,3 +523,36 @@ def test_training_logprobs_use_the_rollout_distribution():
       )
     )(params)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g))
+
+
+def test_num_draft_sweep_times_every_g_against_one_baseline():
+  """The G sweep decodes exactly as direct SD calls at each G (same keys), shares one AR
+  baseline, and names the fastest G."""
+  from specdraft.decode.compare import decoding_figures, sweep_num_draft
+
+  pcfg, dcfg, params, dparams = small_models()
+  prompts = jnp.asarray(np.random.default_rng(0).integers(3, 16, (4, 5)), jnp.int32)
+  lengths = jnp.asarray([5, 3, 4, 2], jnp.int32)
+  out = sweep_num_draft(
+    params, dparams, pcfg, dcfg, prompts, lengths,
+    max_new_tokens=12, num_drafts=(1, 3), temperature=1.0, repeats=2, seed=7,
+  )  # fmt: skip
+  assert out["num_drafts"] == [1, 3] and set(out["by_num_draft"]) == {"1", "3"}
+  ar_rates = {r["ar_tokens_per_s"] for r in out["by_num_draft"].values()}
+  assert len(ar_rates) == 1  # one AR baseline for every G
+  for G in (1, 3):
+    r = out["by_num_draft"][str(G)]
+    assert r["num_draft"] == G and len(r["speedup_per_repeat"]) == 2
+    assert 1.0 <= r["tau"] <= G + 1 and len(r["accept_per_position"]) == G
+    direct = [
+      decoding_figures(
+        speculative.generate(
+          params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(7 + 1 + rep),
+          max_new_tokens=12, temperature=1.0, num_draft=G,
+        )
+      )["tau"]
+      for rep in range(2)
+    ]  # fmt: skip
+    assert r["tau"] == pytest.approx(float(np.median(direct)))
+  best = max(out["by_num_draft"].values(), key=lambda r: r["speedup"])
+  assert out["best_num_draft"] == best["num_draft"] and out["best_speedup"] == best["speedup"]

@@ -13,11 +13,12 @@ import jax
 import numpy as np
 
 from specdraft.bench import provenance
-from specdraft.decode.compare import compare_rollouts
+from specdraft.decode import autoregressive, speculative
+from specdraft.decode.compare import compare_rollouts, greedy_agreement, sweep_num_draft
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks import loader
-from specdraft.train import loop
+from specdraft.train import evaluate, loop
 
 
 def pass_costs(params, dparams, pcfg, dcfg, *, batch: int, context: int, repeats: int = 20):
@@ -56,6 +57,8 @@ def run(config, workdir: str) -> dict:
   """Trains (or reloads) the policy and draft, then compares SD and AR at every batch size."""
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   b = config.bench
+  if b.get("num_draft_sweep"):
+    return run_sweep(config, workdir)
   summary = loop.train_and_evaluate(config, workdir)  # resumes / skips finished phases
   ctx = loop.Context(config, workdir)
   params, _ = loop.sft_phase(ctx)
@@ -101,6 +104,85 @@ def run(config, workdir: str) -> dict:
   print(table(results))
   print(provenance.goals_table(results["goals"]), flush=True)
   return results
+
+
+def run_sweep(config, workdir: str) -> dict:
+  """SD at every G of `bench.num_draft_sweep` against AR on the held-out prompts
+  (`eval.batch_size` rows), timed side by side; greedy equality checked at the best G."""
+  b = config.bench
+  summary = loop.train_and_evaluate(config, workdir)  # resumes / skips finished phases
+  ctx = loop.Context(config, workdir)
+  params, _ = loop.sft_phase(ctx)
+  dparams, _ = loop.draft_phase(ctx, params)
+  prompts_BS, lengths_B = evaluate.held_out_prompts(ctx)
+  sweep = sweep_num_draft(
+    params,
+    dparams,
+    ctx.pcfg,
+    ctx.dcfg,
+    prompts_BS,
+    lengths_B,
+    max_new_tokens=b.max_new_tokens,
+    num_drafts=tuple(b.num_draft_sweep),
+    temperature=b.temperature,
+    repeats=b.repeats,
+    seed=100,
+  )
+  G, N = sweep["best_num_draft"], b.max_new_tokens
+  greedy = greedy_agreement(
+    lambda k, t: autoregressive.generate(
+      params, ctx.pcfg, prompts_BS, lengths_B, k, max_new_tokens=N, temperature=t
+    ),
+    lambda k, t: speculative.generate(
+      params,
+      dparams,
+      ctx.pcfg,
+      ctx.dcfg,
+      prompts_BS,
+      lengths_B,
+      k,
+      max_new_tokens=N,
+      temperature=t,
+      num_draft=G,
+    ),
+    jax.random.key(100),
+  )
+  payload = {
+    "config": {
+      "num_draft_sweep": list(b.num_draft_sweep),
+      "temperature": b.temperature,
+      "max_new_tokens": N,
+      "repeats": b.repeats,
+      "policy_layers": ctx.pcfg.n_layers,
+      "d_model": ctx.pcfg.d_model,
+      "ttt_steps": ctx.dcfg.ttt_steps,
+      "draft_steps": config.draft.pretrain_steps,
+    },
+    "sweep": sweep,
+    **greedy,
+    "training_summary": summary,
+  }
+  goals = provenance.goals_from_config(b.goals)
+  results = provenance.write_results(workdir, payload, goals=goals, measured=payload)
+  print(sweep_table(results))
+  print(provenance.goals_table(results["goals"]), flush=True)
+  return results
+
+
+def sweep_table(results) -> str:
+  s = results["sweep"]
+  lines = [
+    f"batch {s['batch']}, T={s['temperature']:g}, {s['max_new_tokens']} new tokens; "
+    f"best G = {s['best_num_draft']} ({s['best_speedup']:.2f}x)",
+    f"{'G':>3} {'speedup':>8} {'per repeat':>24} {'tau':>6} {'SD pass/tok':>11}",
+  ]
+  for G in s["num_drafts"]:
+    r = s["by_num_draft"][str(G)]
+    per = " ".join(f"{x:.2f}" for x in r["speedup_per_repeat"])
+    lines.append(
+      f"{G:>3} {r['speedup']:>8.2f} {per:>24} {r['tau']:>6.2f} {r['sd_policy_passes_per_token']:>11.3f}"
+    )
+  return "\n".join(lines)
 
 
 def over_batches(rows: list[dict]) -> dict:

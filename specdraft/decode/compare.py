@@ -83,6 +83,81 @@ def compare_rollouts(
   return out
 
 
+def sweep_num_draft(
+  params,
+  dparams,
+  pcfg,
+  dcfg,
+  prompts_BS,
+  prompt_lengths_B,
+  *,
+  max_new_tokens: int,
+  num_drafts: tuple[int, ...],
+  temperature: float,
+  repeats: int,
+  seed: int = 0,
+) -> dict:
+  """SD at every G of `num_drafts` against one AR baseline, timed side by side.
+
+  Choosing G is a trade: a longer proposal raises tau but costs G draft passes and a wider
+  verification pass per round, so the fastest G depends on the draft's acceptance and on the
+  cost of a draft pass relative to a policy pass on the machine at hand. Every generator is
+  called once first (compile, never timed); then each repeat runs AR and SD at every G in turn
+  with the same key, so slow phases of a shared machine hit all of them. Per G: the figures of
+  `compare_rollouts` (speedup = median SD rate / median AR rate, paired ratios per repeat);
+  `best_num_draft` is the G with the highest speedup.
+  """
+  run = {
+    "ar": _generators(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      prompts_BS,
+      prompt_lengths_B,
+      max_new_tokens=max_new_tokens,
+      num_draft=1,
+    )["ar"]
+  }
+  for G in num_drafts:
+    run[G] = _generators(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      prompts_BS,
+      prompt_lengths_B,
+      max_new_tokens=max_new_tokens,
+      num_draft=int(G),
+    )["sd"]
+  for fn in run.values():
+    _seconds(fn, jax.random.key(seed), temperature)
+  samples = {name: [] for name in run}
+  for r in range(repeats):
+    key = jax.random.key(seed + 1 + r)
+    for name, fn in run.items():
+      seconds, gen = _seconds(fn, key, temperature)
+      figures = decoding_figures(gen)
+      figures["tokens_per_s"] = figures["tokens"] / seconds
+      samples[name].append(figures)
+  batch = int(prompts_BS.shape[0])
+  by_num_draft = {}
+  for G in num_drafts:
+    row = _summarise({"ar": samples["ar"], "sd": samples[G]}, batch=batch)
+    by_num_draft[str(G)] = dict(row, num_draft=int(G))
+  best = max(by_num_draft.values(), key=lambda r: r["speedup"])
+  return {
+    "batch": batch,
+    "temperature": float(temperature),
+    "max_new_tokens": int(max_new_tokens),
+    "repeats": int(repeats),
+    "num_drafts": [int(G) for G in num_drafts],
+    "by_num_draft": by_num_draft,
+    "best_num_draft": best["num_draft"],
+    "best_speedup": best["speedup"],
+  }
+
+
 def _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) -> dict:
   """{"ar": (key, temperature) -> Generation, "sd": the same with the draft}."""
   num_draft = kw.pop("num_draft")
