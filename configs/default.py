@@ -97,9 +97,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
 
-  # EAGLE-3 draft; 0 for a dimension means "the policy's".
+  # The draft: kind = eagle3 (TTT steps) | dflash | dspark (a block per anchor: draft.block);
+  # 0 for a dimension means "the policy's".
   c.draft = ml_collections.ConfigDict(
     dict(
+      kind="eagle3",
       n_heads=0,
       n_kv_heads=0,
       head_dim=0,
@@ -116,6 +118,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       b2=0.98,
       log_every=20,
       cotrain_lr=1e-3,
+      # DFlash / DSpark (model/dflash.py): draft layers, block size W (dflash proposes W - 1
+      # tokens a round, dspark W), loss decay exp(-k / gamma) over the proposals, DSpark's
+      # Markov head rank and the weight of its L1 term.
+      block=dict(n_layers=1, block_size=4, gamma=4.0, markov_rank=16, l1_weight=0.0),
     )
   )  # the draft's branch attention follows the layout: the ring over parallel.mesh.cp
 

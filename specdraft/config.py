@@ -132,7 +132,14 @@ def _validate_decoding(config) -> None:
 
 
 def _validate_draft(config) -> None:
+  from specdraft.model import drafts
+
   m, dr = config.model, config.draft
+  kind = dr.get("kind", "eagle3")
+  if kind not in drafts.KINDS:
+    _fail("draft.kind", kind, f"expected one of {drafts.KINDS}")
+  if kind != "eagle3":
+    _validate_block_draft(config)
   if dr.ttt_steps < 1:
     _fail("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
   if not 0 < dr.ttt_decay <= 1:
@@ -142,6 +149,29 @@ def _validate_draft(config) -> None:
     _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
+
+
+def _validate_block_draft(config) -> None:
+  bl = config.draft.block
+  if bl.n_layers < 1:
+    _fail("draft.block.n_layers", bl.n_layers, "must be >= 1")
+  if bl.block_size < 2:
+    _fail("draft.block.block_size", bl.block_size, "must be >= 2 (the anchor and a proposal)")
+  if bl.gamma <= 0:
+    _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
+  if config.draft.kind == "dspark":
+    if bl.markov_rank < 1:
+      _fail("draft.block.markov_rank", bl.markov_rank, "must be >= 1")
+    if bl.l1_weight < 0:
+      _fail("draft.block.l1_weight", bl.l1_weight, "must be >= 0")
+  proposals = bl.block_size - 1 if config.draft.kind == "dflash" else bl.block_size
+  if config.decode.num_draft > proposals:
+    _fail(
+      "decode.num_draft",
+      config.decode.num_draft,
+      f"a {config.draft.kind} draft with block_size {bl.block_size} proposes {proposals} tokens "
+      f"a round: num_draft must be <= {proposals} (or raise draft.block.block_size)",
+    )
 
 
 def _validate_rl(config) -> None:

@@ -1,5 +1,5 @@
 """Draft pretraining by distillation: the (fixed) SFT policy generates completions, and the
-EAGLE-3 draft learns the policy's distribution on them with the TTT loss."""
+draft learns the policy's distribution on them (EAGLE-3's TTT loss or a block draft's loss)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import optax
 
 from specdraft.decode import autoregressive
 from specdraft.decode.sampling import join_prompt_completion
-from specdraft.model import eagle3
+from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.train import sequence
 
@@ -20,7 +20,7 @@ def draft_loss_on_batch(
   dparams,
   params,
   pcfg: pol.PolicyConfig,
-  dcfg: eagle3.DraftConfig,
+  dcfg: drafts.DraftConfig,
   batch,
   *,
   attn_impl: str = "dense",
@@ -32,18 +32,8 @@ def draft_loss_on_batch(
   logits, taps = pol.forward(
     params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"]
   )
-  return eagle3.ttt_loss(
-    dparams,
-    dcfg,
-    params["embed"],
-    taps.layers,
-    jax.lax.stop_gradient(logits),
-    batch["tokens"],
-    batch["positions"],
-    batch["segment_ids"],
-    batch["loss_mask"],
-    attn_impl=attn_impl,
-    mesh=mesh,
+  return drafts.natural_loss(
+    dparams, dcfg, params, pcfg, taps.layers, logits, batch, attn_impl=attn_impl, mesh=mesh
   )
 
 

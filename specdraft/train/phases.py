@@ -30,7 +30,7 @@ from specdraft import config as config_lib
 from specdraft.decode import autoregressive, speculative
 from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
-from specdraft.model import eagle3
+from specdraft.model import drafts
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.rl import grpo
 from specdraft.tasks import CharTokenizer, Example, loader, make_task
@@ -58,7 +58,7 @@ class Context:
     n_eval = min(config.eval.num_examples, len(test_src))
     self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
     self.pcfg = state_lib.policy_config(config)
-    self.dcfg = eagle3.DraftConfig.from_config(config.draft, self.pcfg)
+    self.dcfg = drafts.draft_config(config.draft, self.pcfg)
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
     self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
@@ -223,8 +223,9 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
 
 
 def init_draft(ctx: Context, params):
-  """The draft's initial parameters (its embedding and head start from the policy's)."""
-  return jax.jit(lambda p: eagle3.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg))(params)
+  """The draft's initial parameters (EAGLE-3's head and every kind's final norm start from the
+  policy's)."""
+  return jax.jit(lambda p: drafts.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg))(params)
 
 
 def draft_phase(ctx: Context, params, stop_after: int | None = None):

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from specdraft.attention import ring
 from specdraft.decode.sampling import Sampling, processed_logits
-from specdraft.model import chunked, eagle3
+from specdraft.model import chunked, drafts, eagle3
 from specdraft.model import policy as pol
 from specdraft.parallel import zigzag
 from specdraft.rl import grpo
@@ -158,6 +158,24 @@ class Shards:
       return_lse=True,
     )
     return eagle3.attend_by_merge(trunk, segment_ids_BS)
+
+  def block_branch(self, positions_BS, segment_ids_BS):
+    """A block draft's attention on this shard: the block queries of every anchor ride the
+    ring over the context keys (strictly earlier positions of the same document) and merge with
+    their own block's keys, which stay on this rank (`ring.ring_attention_shard`, "block").
+    The context has no queries of its own: its trunk rows are zeros, and their output unused.
+    Returns attend(k_ctx, v_ctx, q_br, k_br, v_br) -> out_br for `dflash.block_hidden`."""
+
+    def attend(k_ctx, v_ctx, q_br, k_br, v_br):
+      B, S, _, H, D = q_br.shape
+      q0 = jnp.zeros((B, S, H, D), q_br.dtype)
+      return ring.ring_attention_shard(
+        q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS.astype(jnp.int32),
+        positions_BS.astype(jnp.int32), branch="block", axis_name=self.axis, cp=self.cp,
+        tile=self.tile,
+      )[1]  # fmt: skip
+
+    return attend
 
 
 def run(
@@ -328,22 +346,22 @@ def draft_body(sh: Shards, dparams, theta, batch, *, pcfg, dcfg, vocab_chunk: in
 
 
 def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, vocab_chunk: int):
-  """The draft's TTT loss on this shard: ring branch attention on the policy's shards, soft
-  targets from the policy's (stop-gradient) final hidden state through its LM head."""
+  """The draft's loss on this shard (EAGLE-3's TTT loss or a block draft's, `model/drafts.py`):
+  ring branch attention on the policy's shards, soft targets from the policy's (stop-gradient)
+  final hidden state through its LM head."""
   pos, seg = batch["positions"], batch["segment_ids"]
   w = jax.lax.stop_gradient(pol.head_weight(theta, pcfg))
-  return eagle3.ttt_loss_on_shard(
+  return drafts.loss_on_shard(
     phi,
     dcfg,
-    theta["embed"],
+    jax.lax.stop_gradient(theta),
+    pcfg,
     taps_NBSE,
     h_BSE,
-    batch["tokens"],
-    pos,
-    seg,
-    batch["loss_mask"],
+    batch,
     shift=sh.shift,
-    attend=sh.branch(pos, seg),
+    ttt_attend=sh.branch(pos, seg) if not drafts.is_block(dcfg) else None,
+    block_attend=sh.block_branch(pos, seg) if drafts.is_block(dcfg) else None,
     total=sh.total,
     policy_logits_of=lambda x: chunked.logits(x, w),
     vocab_chunk=vocab_chunk,

@@ -171,7 +171,7 @@ def cotrain_objective(
   are of the distribution the rollouts sample (`rl.temperature`, `rl.top_k`, `rl.top_p`), as in
   the sharded step; the draft's targets stay the policy's own logits."""
   from specdraft.decode.sampling import Sampling, processed_logits
-  from specdraft.model import eagle3
+  from specdraft.model import drafts
   from specdraft.rl import grpo
 
   sampling = Sampling(rl_cfg.temperature, rl_cfg.get("top_k", 0), rl_cfg.get("top_p", 1.0))
@@ -195,18 +195,8 @@ def cotrain_objective(
   metrics["entropy"] = jax.lax.stop_gradient(entropy_of(sampled, batch["loss_mask"]))
   total = rl_loss
   if train_draft:
-    draft_loss, dm = eagle3.ttt_loss(
-      phi,
-      dcfg,
-      theta["embed"],
-      taps.layers,
-      jax.lax.stop_gradient(logits),
-      batch["tokens"],
-      batch["positions"],
-      batch["segment_ids"],
-      batch["loss_mask"],
-      attn_impl=attn_impl,
-      mesh=mesh,
+    draft_loss, dm = drafts.natural_loss(
+      phi, dcfg, theta, pcfg, taps.layers, logits, batch, attn_impl=attn_impl, mesh=mesh
     )
     metrics.update(dm)
     total = total + lam * draft_loss

@@ -1,0 +1,413 @@
+"""Block drafts: DFlash (a block of proposals per anchor in one pass) and DSpark (DFlash with a
+light Markov head and every block slot supervised).
+
+The draft has no embedding or LM head of its own: it reads the policy's, under stop_gradient.
+Its context feature at position s is `RMSNorm(fc(concat of the tapped policy layers at s))`.
+A block anchored at trunk position t is `[x_t, MASK x (W - 1)]` (the anchor's own token, then a
+learned mask embedding), at RoPE positions t .. t + W - 1. In every draft layer the queries come
+from the block only; keys and values are the same layer's projections of [context; block]: a
+block query sees the context strictly before its anchor (s < t, same document) and its whole
+block both ways, never another block. That is `branch_attention(..., branch="block")` with the
+context as the trunk, so training runs under context parallelism through the ring (block queries
+join the trunk ring, block keys stay on their rank). The residual stream runs through the block.
+
+Training places one block at every trunk position (the branch layout); blocks whose targets are
+not completion tokens of the anchor's document carry zero weight. Supervision per kind:
+
+- dflash: slot k = 1 .. W-1 predicts x_{t+k}; weight exp(-(k-1)/gamma); W - 1 proposals a round.
+- dspark: slot j = 0 .. W-1 predicts x_{t+1+j}; weight exp(-j/gamma); W proposals a round. The
+  Markov head adds `E[prev] @ W2` (E: V x r, W2: r x V, W2 starting at zero) to slot j's logits,
+  prev = x_{t+j} (teacher-forced in training; at inference the block is walked serially on the
+  sampled tokens).
+
+The loss is a soft cross-entropy to the policy's (stop-gradient) distribution at the predicted
+position; dspark adds `l1_weight` times the L1 distance between the two distributions. Each
+slot's mean over its valid anchors is weighted by its decay, normalised by the decays' sum.
+
+Shape letters: B batch, S sequence (local), W block size, E width, N taps, H/K heads, D head dim,
+V vocabulary, L draft layers, C cache capacity, G proposals per round, R Markov rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specdraft.attention import branch_attention, reference
+from specdraft.model import chunked
+from specdraft.model import policy as pol
+
+Params = dict[str, Any]
+KINDS = ("dflash", "dspark")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDraftConfig:
+  kind: str
+  d_model: int
+  vocab_size: int
+  n_taps: int
+  n_layers: int = 1
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 32
+  d_ff: int = 384
+  block_size: int = 4
+  gamma: float = 4.0
+  markov_rank: int = 16
+  l1_weight: float = 0.0
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"draft kind={self.kind!r} is not a block draft; expected one of {KINDS}")
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def num_proposals(self) -> int:
+    """Tokens proposed per SD round: W - 1 (dflash: slot 0 is the anchor) or W (dspark)."""
+    return self.block_size - 1 if self.kind == "dflash" else self.block_size
+
+  @property
+  def first_slot(self) -> int:
+    """The first supervised slot; slot i (>= first_slot) predicts x_{t + i + 1 - first_slot}."""
+    return 1 if self.kind == "dflash" else 0
+
+  @property
+  def ttt_steps(self) -> int:
+    """Proposals supervised per anchor; their top-1 agreement with the policy is reported as
+    ttt_acc_0 .. ttt_acc_{G-1}, the names EAGLE-3's TTT steps use (one per proposal)."""
+    return self.num_proposals
+
+  @classmethod
+  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> BlockDraftConfig:
+    """Draft dims default to the policy's where the config leaves them 0."""
+    pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
+    block = draft_cfg.block
+    return cls(
+      kind=draft_cfg.kind,
+      d_model=pcfg.d_model,
+      vocab_size=pcfg.vocab_size,
+      n_taps=len(pcfg.taps),
+      n_layers=block.n_layers,
+      n_heads=pick("n_heads"),
+      n_kv_heads=pick("n_kv_heads"),
+      head_dim=pick("head_dim"),
+      d_ff=pick("d_ff"),
+      block_size=block.block_size,
+      gamma=block.gamma,
+      markov_rank=block.markov_rank,
+      l1_weight=block.l1_weight,
+      rope_theta=pcfg.rope_theta,
+      norm_eps=pcfg.norm_eps,
+      dtype=pcfg.dtype,
+    )
+
+
+class _Layers(nnx.Module):
+  def __init__(self, cfg: BlockDraftConfig, *, rngs: nnx.Rngs):
+    L, E, H, K, D, F = (
+      cfg.n_layers,
+      cfg.d_model,
+      cfg.n_heads,
+      cfg.n_kv_heads,
+      cfg.head_dim,
+      cfg.d_ff,
+    )
+    normal = nnx.initializers.normal(cfg.init_std)
+    self.attn_norm = nnx.Param(jnp.ones((L, E)))
+    self.wq = nnx.Param(normal(rngs.params(), (L, E, H, D)))
+    self.wk = nnx.Param(normal(rngs.params(), (L, E, K, D)))
+    self.wv = nnx.Param(normal(rngs.params(), (L, E, K, D)))
+    self.wo = nnx.Param(normal(rngs.params(), (L, H, D, E)))
+    self.mlp_norm = nnx.Param(jnp.ones((L, E)))
+    self.w_gate = nnx.Param(normal(rngs.params(), (L, E, F)))
+    self.w_up = nnx.Param(normal(rngs.params(), (L, E, F)))
+    self.w_down = nnx.Param(normal(rngs.params(), (L, F, E)))
+
+
+class BlockDraft(nnx.Module):
+  def __init__(self, cfg: BlockDraftConfig, *, rngs: nnx.Rngs):
+    E, N = cfg.d_model, cfg.n_taps
+    self.fc = nnx.Param(nnx.initializers.normal((N * E) ** -0.5)(rngs.params(), (N * E, E)))
+    self.ctx_norm = nnx.Param(jnp.ones((E,)))
+    # The char tokenizer has no spare id for MASK: the draft owns the mask embedding.
+    self.mask_embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (E,)))
+    self.layers = _Layers(cfg, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((E,)))
+    if cfg.kind == "dspark":
+      R = cfg.markov_rank
+      self.markov_in = nnx.Param(
+        nnx.initializers.normal(R**-0.5)(rngs.params(), (cfg.vocab_size, R))
+      )
+      self.markov_out = nnx.Param(jnp.zeros((R, cfg.vocab_size)))  # starts as DFlash
+
+
+def init_params(
+  cfg: BlockDraftConfig,
+  seed: int,
+  policy_params: Params | None = None,
+  pcfg: pol.PolicyConfig | None = None,
+) -> Params:
+  """Fresh draft parameters; with the policy given, the final norm starts as its own."""
+  params = pol.split_params(BlockDraft(cfg, rngs=nnx.Rngs(seed)))
+  if policy_params is not None:
+    params["final_norm"] = jnp.asarray(policy_params["final_norm"])
+  return params
+
+
+# ----------------------------------------------------------------------------- the network
+
+
+def context(dp: Params, taps_NBSE, cfg: BlockDraftConfig):
+  """Context features RMSNorm(fc(concat of the tapped layers)) [B, S, E]."""
+  N, B, S, E = taps_NBSE.shape
+  x = jnp.moveaxis(taps_NBSE, 0, 2).reshape(B, S, N * E).astype(cfg.compute_dtype)
+  return pol.rms_norm(x @ dp["fc"].astype(cfg.compute_dtype), dp["ctx_norm"], cfg.norm_eps)
+
+
+def block_inputs(dp: Params, cfg: BlockDraftConfig, embed_table, anchor_tokens):
+  """Embeddings of the blocks [x_anchor, MASK x (W-1)] at every anchor: [..., W, E]."""
+  dt = cfg.compute_dtype
+  first = jnp.take(jax.lax.stop_gradient(embed_table), anchor_tokens, axis=0).astype(dt)
+  rest = jnp.broadcast_to(dp["mask_embed"].astype(dt), first.shape)
+  W = cfg.block_size
+  return jnp.stack([first] + [rest] * (W - 1), axis=-2)
+
+
+def _rope_rows(x_BSWHD, positions_BSW, theta):
+  B, S, W = x_BSWHD.shape[:3]
+  flat = pol.rope(
+    x_BSWHD.reshape(B, S * W, *x_BSWHD.shape[3:]), positions_BSW.reshape(B, S * W), theta
+  )
+  return flat.reshape(x_BSWHD.shape)
+
+
+def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
+  """One layer's keys and values of the context (RoPE at the context positions)."""
+  dt = cfg.compute_dtype
+  k = jnp.einsum("bse,ekd->bskd", ctx_BSE, lp["wk"].astype(dt))
+  v = jnp.einsum("bse,ekd->bskd", ctx_BSE, lp["wv"].astype(dt))
+  return pol.rope(k, positions_BS, cfg.rope_theta), v
+
+
+def _block_qkv(lp, h_BSWE, positions_BSW, cfg: BlockDraftConfig):
+  dt = cfg.compute_dtype
+  x = pol.rms_norm(h_BSWE, lp["attn_norm"], cfg.norm_eps)
+  q = jnp.einsum("bswe,ehd->bswhd", x, lp["wq"].astype(dt))
+  k = jnp.einsum("bswe,ekd->bswkd", x, lp["wk"].astype(dt))
+  v = jnp.einsum("bswe,ekd->bswkd", x, lp["wv"].astype(dt))
+  rot = lambda a: _rope_rows(a, positions_BSW, cfg.rope_theta)
+  return rot(q), rot(k), v
+
+
+def _finish(lp, h_BSWE, o_BSWHD, cfg: BlockDraftConfig):
+  dt = cfg.compute_dtype
+  h = h_BSWE + jnp.einsum("bswhd,hde->bswe", o_BSWHD.astype(dt), lp["wo"].astype(dt))
+  z = pol.rms_norm(h, lp["mlp_norm"], cfg.norm_eps)
+  g = jax.nn.silu(z @ lp["w_gate"].astype(dt)) * (z @ lp["w_up"].astype(dt))
+  return h + g @ lp["w_down"].astype(dt)
+
+
+def block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, *, attend):
+  """Draft hidden states of every anchor's block [B, S, W, E] (before the final norm).
+
+  `attend(k_ctx, v_ctx, q_br, k_br, v_br) -> out_br` is the block branch attention on these rows
+  (`attend_dense` in natural order, `Shards.block_branch` on sequence shards)."""
+  ctx = context(dp, taps_NBSE, cfg)
+  h = block_inputs(dp, cfg, embed_table, tokens_BS)
+  W = cfg.block_size
+  blk_pos = positions_BS[:, :, None] + jnp.arange(W, dtype=positions_BS.dtype)
+  for layer in range(cfg.n_layers):  # a draft has one or two layers
+    lp = jax.tree.map(lambda a: a[layer], dp["layers"])
+    k_ctx, v_ctx = context_kv(lp, ctx, positions_BS, cfg)
+    q_br, k_br, v_br = _block_qkv(lp, h, blk_pos, cfg)
+    h = _finish(lp, h, attend(k_ctx, v_ctx, q_br, k_br, v_br), cfg)
+  return h
+
+
+def attend_dense(segment_ids_BS, *, impl: str = "dense", mesh=None, cp_axis: str = "cp"):
+  """Block attention through `branch_attention(branch="block")` on natural-order rows (the
+  oracle; the context has no queries of its own, so the trunk rows are zeros and unused)."""
+
+  def attend(k_ctx, v_ctx, q_br, k_br, v_br):
+    B, S, _, H, D = q_br.shape
+    q0 = jnp.zeros((B, S, H, D), q_br.dtype)
+    return branch_attention(
+      q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS, branch="block", impl=impl, mesh=mesh,
+      cp_axis=cp_axis,
+    )[1]  # fmt: skip
+
+  return attend
+
+
+def markov_bias(dp, prev_tokens):
+  """DSpark's Markov term E[prev] @ W2 (float32 [..., V])."""
+  e = jnp.take(dp["markov_in"], prev_tokens, axis=0).astype(jnp.float32)
+  return e @ dp["markov_out"].astype(jnp.float32)
+
+
+def slot_logits(dp, cfg: BlockDraftConfig, head_w_EV, h_E, prev_tokens=None):
+  """Logits of block slots from their hidden states (any leading axes) through the policy's
+  (stop-gradient) head; dspark adds the Markov term of each slot's previous token."""
+  z = pol.rms_norm(h_E, dp["final_norm"], cfg.norm_eps)
+  w = jax.lax.stop_gradient(head_w_EV)
+  out = jnp.einsum("...e,ev->...v", z, w.astype(z.dtype)).astype(jnp.float32)
+  if cfg.kind == "dspark":
+    out = out + markov_bias(dp, prev_tokens)
+  return out
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def block_loss_on_shard(
+  dp,
+  cfg: BlockDraftConfig,
+  embed_table,
+  head_w_EV,
+  taps_NBSE,
+  policy_BSX,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  loss_mask_BS,
+  *,
+  shift,
+  attend,
+  total,
+  policy_logits_of=lambda x: x,
+  vocab_chunk: int = 0,
+):
+  """The block draft's loss from global sums (`total` sums over the whole batch, across shards).
+
+  `shift(x, n, fill)` is x[t + n] in the row's global order; `policy_BSX` is what the targets
+  are computed from (logits with the identity `policy_logits_of`, or the final hidden state with
+  the policy's head); vocabulary work runs in sequence chunks of `vocab_chunk` tokens."""
+  seg = segment_ids_BS
+  hs = block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, attend=attend)
+  pf = jax.lax.stop_gradient(policy_BSX)
+  mask = loss_mask_BS.astype(jnp.float32)
+  loss, norm, metrics = 0.0, 0.0, {}
+  for g in range(cfg.num_proposals):  # proposal g (0-based) predicts x_{t+1+g}
+    slot = cfg.first_slot + g
+    w = jnp.where((shift(seg, 1 + g, 0) == seg) & (seg != 0), shift(mask, 1 + g, 0.0), 0.0)
+    target = shift(pf, g, 0.0)  # the policy's distribution over x_{t+1+g} lives at t+g
+    prev = shift(tokens_BS, g, 0)  # dspark: the slot's previous token, teacher-forced
+    ce, l1, agree = _slot_terms(
+      dp, cfg, head_w_EV, hs[:, :, slot], target, prev, policy_logits_of, vocab_chunk
+    )
+    n = jnp.maximum(total(w), 1.0)
+    decay = float(np.exp(-g / cfg.gamma))
+    term = ce + cfg.l1_weight * l1 if cfg.kind == "dspark" else ce
+    metrics[f"ttt_acc_{g}"] = total(agree * w) / n
+    loss = loss + decay * total(term * w) / n
+    norm += decay
+  metrics["draft_loss"] = loss / norm
+  return loss / norm, metrics
+
+
+def _slot_terms(dp, cfg, head_w_EV, h_BSE, target_BSX, prev_BS, policy_logits_of, chunk):
+  """Per position: soft cross-entropy, L1 distance and top-1 agreement of one slot's draft
+  distribution with the policy's, in sequence chunks."""
+
+  def per_chunk(t, h, prev):
+    tl = jax.lax.stop_gradient(policy_logits_of(t)).astype(jnp.float32)
+    dl = slot_logits(dp, cfg, head_w_EV, h, prev)
+    p = jax.nn.softmax(tl, axis=-1)
+    logq = jax.nn.log_softmax(dl, axis=-1)
+    ce = -jnp.sum(p * logq, axis=-1)
+    l1 = jnp.sum(jnp.abs(jnp.exp(logq) - p), axis=-1)
+    return ce, l1, jnp.argmax(dl, -1) == jnp.argmax(tl, -1)
+
+  return chunked.over_chunks(per_chunk, chunk, target_BSX, h_BSE, prev_BS)
+
+
+def block_loss(
+  dp,
+  cfg: BlockDraftConfig,
+  embed_table,
+  head_w_EV,
+  taps_NBSE,
+  policy_logits_BSV,
+  tokens_BS,
+  positions_BS,
+  segment_ids_BS,
+  loss_mask_BS,
+  *,
+  attn_impl: str = "dense",
+  mesh=None,
+):
+  """The block loss on natural-order rows with whole-row logits: the oracle of the sequence-shard
+  path (`train/sequence.py::draft_terms`)."""
+  from specdraft.model.eagle3 import natural_shift
+
+  return block_loss_on_shard(
+    dp, cfg, embed_table, head_w_EV, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
+    segment_ids_BS, loss_mask_BS, shift=natural_shift,
+    attend=attend_dense(segment_ids_BS, impl=attn_impl, mesh=mesh), total=jnp.sum,
+  )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+class BlockCache(NamedTuple):
+  """Each draft layer's keys and values of the context (verified positions 0 .. lengths-1)."""
+
+  k: jax.Array  # [L,B,C,K,D]
+  v: jax.Array  # [L,B,C,K,D]
+  lengths: jax.Array  # [B]
+
+
+def init_cache(cfg: BlockDraftConfig, batch: int, capacity: int) -> BlockCache:
+  z = jnp.zeros((cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim), cfg.compute_dtype)
+  return BlockCache(z, z, jnp.zeros((batch,), jnp.int32))
+
+
+def write_context(dp, cfg: BlockDraftConfig, cache: BlockCache, taps_NBTE, start_B, lengths_B):
+  """Writes the context keys and values of T verified positions start .. start+T-1 (from the
+  policy's taps there) into every layer's cache and sets `lengths`. Entries at and past
+  `lengths` are stale: never read, overwritten later."""
+  ctx = context(dp, taps_NBTE, cfg)
+  T = ctx.shape[1]
+  positions = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  ks, vs = [], []
+  for layer in range(cfg.n_layers):
+    lp = jax.tree.map(lambda a: a[layer], dp["layers"])
+    k, v = context_kv(lp, ctx, positions, cfg)
+    ks.append(pol._write_rows(cache.k[layer], k, start_B))
+    vs.append(pol._write_rows(cache.v[layer], v, start_B))
+  return BlockCache(jnp.stack(ks), jnp.stack(vs), lengths_B.astype(jnp.int32))
+
+
+def propose_hidden(dp, cfg: BlockDraftConfig, embed_table, cache: BlockCache, anchor_B):
+  """One draft pass over each row's block [anchor, MASK x (W-1)] at positions n .. n+W-1
+  (n = cache.lengths): the block sees the cached context < n and itself. Returns the block's
+  hidden states [B, W, E]."""
+  B = anchor_B.shape[0]
+  W, C = cfg.block_size, cache.k.shape[2]
+  n = cache.lengths
+  h = block_inputs(dp, cfg, embed_table, anchor_B)  # [B, W, E]
+  pos = n[:, None] + jnp.arange(W, dtype=jnp.int32)[None]
+  ctx_mask = jnp.broadcast_to(jnp.arange(C)[None, None] < n[:, None, None], (B, W, C))
+  mask = jnp.concatenate([ctx_mask, jnp.ones((B, W, W), bool)], axis=2)
+  for layer in range(cfg.n_layers):
+    lp = jax.tree.map(lambda a: a[layer], dp["layers"])
+    q, k, v = (a[:, 0] for a in _block_qkv(lp, h[:, None], pos[:, None], cfg))
+    keys = jnp.concatenate([cache.k[layer], k.astype(cache.k.dtype)], axis=1)
+    vals = jnp.concatenate([cache.v[layer], v.astype(cache.v.dtype)], axis=1)
+    o, _ = reference.masked_attention(q, keys, vals, mask)
+    h = _finish(lp, h[:, None], o[:, None], cfg)[:, 0]
+  return h

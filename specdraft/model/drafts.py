@@ -1,0 +1,80 @@
+"""The draft kinds behind one interface: `draft.kind = eagle3 | dflash | dspark`.
+
+EAGLE-3 (model/eagle3.py) chains its own predictions through training-time test steps; DFlash and
+DSpark (model/dflash.py) propose a whole block per anchor in one pass. Everything above the
+model (the co-training step, distillation, rollouts, checkpoints) reaches a draft through the
+functions here, so a new kind is added in one place.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from specdraft.model import dflash, eagle3
+from specdraft.model import policy as pol
+
+KINDS = ("eagle3",) + dflash.KINDS
+DraftConfig = eagle3.DraftConfig | dflash.BlockDraftConfig
+
+
+def kind_of(dcfg) -> str:
+  return dcfg.kind if isinstance(dcfg, dflash.BlockDraftConfig) else "eagle3"
+
+
+def is_block(dcfg) -> bool:
+  return isinstance(dcfg, dflash.BlockDraftConfig)
+
+
+def draft_config(draft_cfg, pcfg: pol.PolicyConfig):
+  """The draft's static config from the run config's `draft` block."""
+  kind = draft_cfg.get("kind", "eagle3")
+  if kind not in KINDS:
+    raise ValueError(f"config.draft.kind={kind!r} is invalid: expected one of {KINDS}")
+  if kind == "eagle3":
+    return eagle3.DraftConfig.from_config(draft_cfg, pcfg)
+  return dflash.BlockDraftConfig.from_config(draft_cfg, pcfg)
+
+
+def init_params(dcfg, seed: int, policy_params=None, pcfg=None):
+  module = dflash if is_block(dcfg) else eagle3
+  return module.init_params(dcfg, seed, policy_params, pcfg)
+
+
+def loss_on_shard(
+  dp, dcfg, theta, pcfg, taps_NBSE, policy_BSX, batch, *, shift, ttt_attend, block_attend, total,
+  policy_logits_of, vocab_chunk: int,
+):  # fmt: skip
+  """The draft's loss on one shard from global sums: EAGLE-3's TTT loss or the block loss.
+
+  `ttt_attend` / `block_attend` are the shard's attention for each kind (`train/sequence.py`)."""
+  args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
+  common = dict(
+    shift=shift, total=total, policy_logits_of=policy_logits_of, vocab_chunk=vocab_chunk
+  )
+  if is_block(dcfg):
+    head_w = pol.head_weight(theta, pcfg)
+    return dflash.block_loss_on_shard(
+      dp, dcfg, theta["embed"], head_w, taps_NBSE, policy_BSX, *args, attend=block_attend, **common
+    )
+  return eagle3.ttt_loss_on_shard(
+    dp, dcfg, theta["embed"], taps_NBSE, policy_BSX, *args, attend=ttt_attend, **common
+  )
+
+
+def natural_loss(
+  dp, dcfg, theta, pcfg, taps_NBSE, policy_logits_BSV, batch, *, attn_impl="dense", mesh=None
+):
+  """The draft's loss on natural-order rows with whole-row policy logits (the oracles)."""
+  args = (
+    jax.lax.stop_gradient(policy_logits_BSV),
+    batch["tokens"],
+    batch["positions"],
+    batch["segment_ids"],
+    batch["loss_mask"],
+  )
+  if is_block(dcfg):
+    head_w = pol.head_weight(theta, pcfg)
+    return dflash.block_loss(
+      dp, dcfg, theta["embed"], head_w, taps_NBSE, *args, attn_impl=attn_impl, mesh=mesh
+    )
+  return eagle3.ttt_loss(dp, dcfg, theta["embed"], taps_NBSE, *args, attn_impl=attn_impl, mesh=mesh)

@@ -1,0 +1,218 @@
+"""DFlash and DSpark block drafts: what a block sees, the loss against its natural-order oracle
+(one device, and under context parallelism through the ring), train/inference consistency of the
+block pass, and the co-training contract (no cross-gradients, lambda = 0 is RL-only)."""
+
+import functools
+
+import _tolerance as tol
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default as default_config
+from specdraft.model import dflash, drafts
+from specdraft.model import policy as pol
+from specdraft.parallel import mesh as mesh_lib
+from specdraft.train import sequence
+from specdraft.train import step as step_lib
+
+KINDS = ("dflash", "dspark")
+
+
+def _batch(B=4, S=24, V=99, seed=0):
+  """Rollout-like rows [prompt ; completion ; padding]; row 3 packs two documents."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, V, (B, S)).astype(np.int32)
+  lengths = np.array([S, S - 5, S - 9, S - 2])[:B]
+  seg = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
+  seg[3, 10:] = np.where(seg[3, 10:] > 0, 2, 0)
+  positions = np.zeros((B, S), np.int32)
+  for b in range(B):
+    for s in np.unique(seg[b][seg[b] > 0]):
+      idx = np.where(seg[b] == s)[0]
+      positions[b, idx] = np.arange(len(idx))
+  mask = (seg > 0) & (positions >= 4)
+  return {
+    "tokens": tokens,
+    "positions": positions,
+    "segment_ids": seg,
+    "loss_mask": mask.astype(np.float32),
+    "logprobs": (np.log(rng.uniform(0.01, 0.2, (B, S))) * mask).astype(np.float32),
+    "advantages": np.asarray([1.0, -0.5, 0.3, -0.8][:B], np.float32),
+  }
+
+
+def _setup(kind, block_size=4, n_layers=2):
+  c = default_config.get_config("smoke")
+  c.model.n_kv_heads = 2
+  c.draft.kind = kind
+  c.draft.block.update(block_size=block_size, n_layers=n_layers, markov_rank=8, l1_weight=0.5)
+  pcfg = pol.PolicyConfig.from_config(c.model, 99)
+  dcfg = drafts.draft_config(c.draft, pcfg)
+  params = pol.init_params(pcfg, 0)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  if kind == "dspark":  # a live Markov head (it starts at zero)
+    dparams["markov_out"] = 0.3 * jax.random.normal(jax.random.key(5), dparams["markov_out"].shape)
+  return c, pcfg, dcfg, {"policy": params, "draft": dparams}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def setup(request):
+  return _setup(request.param)
+
+
+def test_block_sees_only_the_context_before_its_anchor(setup):
+  """Changing tokens and taps at and after position t + 1 (and taps at t) leaves the blocks
+  anchored at positions <= t unchanged; changing another document changes nothing of this one."""
+  _, pcfg, dcfg, tr = setup
+  batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+  rng = np.random.default_rng(3)
+  taps = jnp.asarray(rng.normal(size=(len(pcfg.taps), 4, 24, pcfg.d_model)), jnp.float32)
+  attend = dflash.attend_dense(batch["segment_ids"])
+  hidden = lambda tok, tp: dflash.block_hidden(
+    tr["draft"], dcfg, tr["policy"]["embed"], tp, tok, batch["positions"], attend=attend
+  )
+  h0 = hidden(batch["tokens"], taps)
+  t = 9
+  tok2 = batch["tokens"].at[:, t + 1 :].set(5)
+  taps2 = taps.at[:, :, t:].set(1.0)
+  h1 = hidden(tok2, taps2)
+  np.testing.assert_allclose(h1[:, : t + 1], h0[:, : t + 1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(h1[:, t + 1 :], h0[:, t + 1 :])
+  # the taps at t itself are context only for anchors after t
+  h2 = hidden(batch["tokens"], taps.at[:, :, t].set(-2.0))
+  np.testing.assert_allclose(h2[:, : t + 1], h0[:, : t + 1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(h2[:, t + 1], h0[:, t + 1])
+  # row 3 packs a second document from position 10: the first one never sees it
+  h3 = hidden(batch["tokens"].at[3, 10:].set(7), taps.at[:, 3, 10:].set(3.0))
+  np.testing.assert_allclose(h3[3, :10], h0[3, :10], rtol=1e-6, atol=1e-6)
+
+
+def test_targets_and_weights_by_hand():
+  """Proposal g at anchor t is scored against the policy's distribution at t + g (the one over
+  x_{t+1+g}), weighted by exp(-g / gamma) and by x_{t+1+g} being a completion token of t's
+  document: a one-hot target at one position moves exactly the expected terms."""
+  _, pcfg, dcfg, tr = _setup("dflash", block_size=3, n_layers=1)
+  B, S, V = 1, 8, 99
+  tokens = jnp.arange(3, 3 + S, dtype=jnp.int32)[None]
+  pos = jnp.arange(S, dtype=jnp.int32)[None]
+  seg = jnp.ones((B, S), jnp.int32)
+  mask = (pos >= 5).astype(jnp.float32)  # completion tokens x_5 .. x_7
+  taps = jnp.zeros((len(pcfg.taps), B, S, pcfg.d_model))
+  logits = jnp.zeros((B, S, V))
+
+  def loss(logits):
+    return dflash.block_loss(
+      tr["draft"], dcfg, tr["policy"]["embed"], pol.head_weight(tr["policy"], pcfg), taps,
+      logits, tokens, pos, seg, mask,
+    )  # fmt: skip
+
+  _, m = loss(logits)
+  assert set(m) == {"draft_loss", "ttt_acc_0", "ttt_acc_1"}
+  # d(loss)/d(policy logits) is zero: the targets are under stop_gradient
+  g = jax.grad(lambda z: loss(z)[0])(logits)
+  assert float(jnp.abs(g).max()) == 0.0
+  # proposal 0 at anchors 4, 5, 6 (targets x_5, x_6, x_7 at positions 4, 5, 6); proposal 1 at
+  # anchors 3, 4, 5 (targets x_5 .. x_7 at positions 4 .. 6): only positions 4..6 matter
+  base = loss(logits)[0]
+  for p in range(S):
+    moved = loss(logits.at[0, p, 10].set(30.0))[0]
+    assert (abs(float(moved - base)) > 1e-4) == (4 <= p <= 6), p
+
+
+def _draft_loss(dcfg, pcfg, tr, b, mesh=None):
+  body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=8)
+  loss = lambda d, p: sequence.run(body, mesh, (d, p), b)
+  return jax.device_get(
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(tr["draft"], tr["policy"])
+  )
+
+
+def _mesh(layout):
+  c = default_config.get_config(f"smoke,layout={layout}")
+  c.parallel.devices = int(np.prod(list(c.parallel.mesh.values())))
+  return mesh_lib.make_mesh(c.parallel), [tuple(r) for r in c.parallel.rules]
+
+
+def test_distillation_loss_on_shards_equals_the_dense_oracle(setup):
+  """cp = 1 shards (tiled trunk, ring code path with no collectives) against natural-order rows
+  through the dense branch-attention oracle, in value and gradient."""
+  _, pcfg, dcfg, tr = setup
+  batch = _batch()
+  nat = {k: jnp.asarray(v) for k, v in batch.items()}
+
+  def oracle(d):
+    logits, taps = pol.forward(
+      tr["policy"], pcfg, nat["tokens"], nat["positions"], nat["segment_ids"], attention="dense"
+    )
+    return drafts.natural_loss(d, dcfg, tr["policy"], pcfg, taps.layers, logits, nat)
+
+  (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr["draft"])
+  (l1, m1), (g1, gp1) = _draft_loss(dcfg, pcfg, tr, sequence.lay_out(batch, 1))
+  np.testing.assert_allclose(l1, l0, rtol=1e-5)
+  for k in m0:
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  tol.assert_grads_close(g1, g0, rtol=1e-5)
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(gp1))  # nothing reaches theta
+
+
+@pytest.mark.parametrize("layout", ["cp4_dp2", pytest.param("cp8", marks=pytest.mark.slow)])
+def test_distillation_loss_under_cp_equals_single_device(setup, layout):
+  """The block loss under the ring (block queries ride the trunk ring, block keys stay local;
+  rows of 24 tokens padded to 32 at cp = 8) equals cp = 1 in value and gradient."""
+  _, pcfg, dcfg, tr = setup
+  batch = _batch()
+  mesh, rules = _mesh(layout)
+  cp = mesh.shape["cp"]
+  (l1, m1), (g1, _) = _draft_loss(dcfg, pcfg, tr, sequence.lay_out(batch, 1))
+  laid = sequence.shard(sequence.lay_out(batch, cp), mesh, rules)
+  (l2, m2), (g2, gp2) = _draft_loss(dcfg, pcfg, tr, laid, mesh)
+  np.testing.assert_allclose(l2, l1, rtol=1e-5)
+  for k in m1:
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  tol.assert_grads_close(g2, g1, rtol=1e-5, err=f"{layout} ")
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(gp2))
+
+
+def test_cotrain_step_contract(setup):
+  """One policy forward: the draft loss sends no gradient to theta and the RL loss none to phi;
+  with lambda = 0 the policy's update is bit-identical to the RL-only step's."""
+  c, pcfg, dcfg, tr = setup
+  laid = sequence.lay_out(_batch(), 1)
+
+  def loss(tr, lam, train_draft=True, part=None):
+    total, m = step_lib.cotrain_loss(
+      tr, laid, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=lam, train_draft=train_draft,
+      max_tokens=24, vocab_chunk=8,
+    )  # fmt: skip
+    return {"total": total, "draft": m["draft_loss"] if train_draft else 0.0}[part], m
+
+  g_draft = jax.grad(lambda t: loss(t, 1.0, part="draft"), has_aux=True)(tr)[0]
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(g_draft["policy"]))
+  assert any(float(np.abs(x).max()) > 0 for x in jax.tree.leaves(g_draft["draft"]))
+  g_rl_only = jax.grad(lambda t: loss(t, 0.0, False, part="total"), has_aux=True)(tr)[0]
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(g_rl_only["draft"]))
+  g_lam0 = jax.grad(lambda t: loss(t, 0.0, True, part="total"), has_aux=True)(tr)[0]
+  for a, b in zip(jax.tree.leaves(g_lam0["policy"]), jax.tree.leaves(g_rl_only["policy"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_config_errors_name_the_field():
+  from specdraft import config as config_lib
+
+  c = default_config.get_config("smoke")
+  c.parallel.devices = 1
+  c.draft.kind = "medusa"
+  with pytest.raises(ValueError, match=r"draft\.kind='medusa'.*eagle3"):
+    config_lib.validate(c)
+  c.draft.kind = "dflash"
+  c.draft.block.block_size = 1
+  with pytest.raises(ValueError, match=r"draft\.block\.block_size=1"):
+    config_lib.validate(c)
+  c.draft.block.block_size = 4
+  c.decode.num_draft = 4  # dflash proposes block_size - 1 = 3
+  with pytest.raises(ValueError, match=r"decode\.num_draft=4.*<= 3"):
+    config_lib.validate(c)
+  c.draft.kind = "dspark"  # dspark proposes block_size = 4
+  config_lib.validate(c)
