@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_speculative import _two_sample_pvalue, broken_rejection_sample
 
 from configs import default as default_config
+from specdraft.decode import autoregressive, speculative
+from specdraft.decode.sampling import join_prompt_completion, logprob_at
 from specdraft.model import dflash, drafts
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
@@ -216,3 +219,107 @@ def test_config_errors_name_the_field():
     config_lib.validate(c)
   c.draft.kind = "dspark"  # dspark proposes block_size = 4
   config_lib.validate(c)
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+def test_block_pass_at_inference_equals_the_training_block(setup):
+  """The decoding path (context written into the draft's cache from the taps of positions
+  0 .. n-1, one block pass anchored at n) gives the hidden states the training path computes
+  for the block anchored at n."""
+  _, pcfg, dcfg, tr = setup
+  B, S = 2, 12
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  seg = jnp.ones((B, S), jnp.int32)
+  taps = jnp.asarray(rng.normal(size=(len(pcfg.taps), B, S, pcfg.d_model)), jnp.float32)
+  embed = tr["policy"]["embed"]
+  train_h = dflash.block_hidden(
+    tr["draft"], dcfg, embed, taps, tokens, pos, attend=dflash.attend_dense(seg)
+  )
+  for n in (1, 5, 11):
+    cache = dflash.init_cache(dcfg, B, S + dcfg.block_size)
+    cache = dflash.write_context(
+      tr["draft"], dcfg, cache, taps[:, :, :n], jnp.zeros((B,), jnp.int32), jnp.full((B,), n)
+    )
+    h = dflash.propose_hidden(tr["draft"], dcfg, embed, cache, tokens[:, n])
+    np.testing.assert_allclose(h, train_h[:, n], rtol=1e-5, atol=1e-5, err_msg=f"anchor {n}")
+
+
+def _decode_setup(kind):
+  """A spread-out policy and a block draft whose proposals are accepted often but not always."""
+  V = 6
+  pcfg = pol.PolicyConfig(
+    vocab_size=V, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64,
+    init_std=0.3, tie_embeddings=False,
+  )  # fmt: skip
+  dcfg = dflash.BlockDraftConfig(
+    kind=kind, d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2, n_kv_heads=1,
+    head_dim=16, d_ff=64, block_size=3 if kind == "dflash" else 2, markov_rank=4, init_std=0.3,
+  )  # fmt: skip
+  params = pol.init_params(pcfg, 4)
+  params["head"] = jax.random.normal(jax.random.key(9), params["head"].shape) * 0.3
+  dparams = dflash.init_params(dcfg, 5, params, pcfg)
+  if kind == "dspark":
+    dparams["markov_out"] = 0.5 * jax.random.normal(jax.random.key(6), dparams["markov_out"].shape)
+  B = 12_000
+  prompts = jnp.broadcast_to(jnp.array([1, 4, 5], jnp.int32), (B, 3))
+  lengths = jnp.full((B,), 3, jnp.int32)
+  ar = autoregressive.generate(
+    params, pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=3, temperature=1.0
+  )
+  return pcfg, dcfg, params, dparams, prompts, lengths, ar
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def decode_setup(request):
+  return _decode_setup(request.param)
+
+
+def _sd(decode_setup, key, **kw):
+  pcfg, dcfg, params, dparams, prompts, lengths, _ = decode_setup
+  kw = dict(dict(max_new_tokens=3, temperature=1.0, num_draft=2), **kw)
+  return speculative.generate(params, dparams, pcfg, dcfg, prompts, lengths, key, **kw)
+
+
+def test_block_sd_samples_the_policy_distribution(decode_setup):
+  """Two-sample test of SD rows against AR rows (both acceptance and rejection exercised), and
+  the broken sampler (resampling from p after a rejection) as the control it must catch."""
+  ar = decode_setup[-1]
+  sd = _sd(decode_setup, jax.random.key(1))
+  st = jax.device_get(sd.stats)
+  for g in range(2):
+    rate = st["accept_counts"][g] / st["reach_counts"][g]
+    assert 0.1 < rate < 0.95, (g, rate)
+  assert int(st["draft_passes"]) == int(st["rounds"])  # one block pass a round
+  assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
+  bad = _sd(decode_setup, jax.random.key(1), sampler=broken_rejection_sample)
+  assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6
+
+
+def test_block_sd_under_truncated_sampling_and_its_logprobs(decode_setup):
+  """Temperature, top-k and top-p together: SD and AR sample one distribution, and the behaviour
+  log-probs are of it (recomputed from a full forward)."""
+
+  pcfg, dcfg, params, dparams, prompts, lengths, _ = decode_setup
+  setting = (1.3, 4, 0.9)
+  kw = dict(max_new_tokens=3, temperature=setting[0], top_k=setting[1], top_p=setting[2])
+  ar = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(2), **kw)
+  sd = _sd(decode_setup, jax.random.key(3), **kw)
+  assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
+  few = sd._replace(tokens=sd.tokens[:64], logprobs=sd.logprobs[:64], lengths=sd.lengths[:64])
+  batch = join_prompt_completion(prompts[:64], lengths[:64], few)
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+  want = logprob_at(logits[:, 2:5], sd.tokens[:64], *setting)
+  valid = np.arange(3)[None] < np.asarray(sd.lengths[:64])[:, None]
+  np.testing.assert_allclose(
+    np.asarray(sd.logprobs[:64])[valid], np.asarray(want)[valid], rtol=1e-4, atol=1e-4
+  )
+
+
+def test_block_sd_refuses_more_proposals_than_the_block_holds(decode_setup):
+  dcfg = decode_setup[1]
+  with pytest.raises(ValueError, match=rf"num_draft={dcfg.num_proposals + 1}.*at most"):
+    _sd(decode_setup, jax.random.key(0), num_draft=dcfg.num_proposals + 1)

@@ -14,7 +14,7 @@ import pytest
 
 from specdraft.decode import autoregressive, speculative
 from specdraft.decode.sampling import join_prompt_completion
-from specdraft.model import eagle3
+from specdraft.model import dflash, drafts, eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS
 from specdraft.train import draft as draft_lib
@@ -23,8 +23,35 @@ from specdraft.train import sequence
 V, N = 16, 14  # vocabulary, new tokens per row
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _draft_config(kind, pcfg):
+  if kind == "eagle3":
+    return eagle3.DraftConfig(
+      d_model=32,
+      vocab_size=V,
+      n_taps=len(pcfg.taps),
+      n_heads=2,
+      n_kv_heads=1,
+      head_dim=16,
+      d_ff=64,
+      ttt_steps=3,
+    )
+  # block drafts: 4 proposals a round (dflash: block of 5, slot 0 is the anchor; dspark: 4)
+  return dflash.BlockDraftConfig(
+    kind=kind,
+    d_model=32,
+    vocab_size=V,
+    n_taps=len(pcfg.taps),
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    d_ff=64,
+    block_size=5 if kind == "dflash" else 4,
+    markov_rank=8,
+  )
+
+
+@pytest.fixture(scope="module", params=drafts.KINDS)
+def setup(request):
   pcfg = pol.PolicyConfig(
     vocab_size=V,
     d_model=32,
@@ -35,16 +62,7 @@ def setup():
     d_ff=64,
     init_std=0.3,  # spread-out logits: clear greedy choices that depend on the context
   )
-  dcfg = eagle3.DraftConfig(
-    d_model=32,
-    vocab_size=V,
-    n_taps=len(pcfg.taps),
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    d_ff=64,
-    ttt_steps=3,
-  )
+  dcfg = _draft_config(request.param, pcfg)
   params = pol.init_params(pcfg, 0)
   params["embed"] = params["embed"].at[EOS].multiply(1.3)  # EOS wins in some contexts
   rng = np.random.default_rng(0)
@@ -59,7 +77,7 @@ def setup():
   # Distil the draft on the policy's own greedy rows (the TTT targets are the policy's logits).
   batch = join_prompt_completion(prompts, lengths, ar)
   batch["loss_mask"] = batch["segment_ids"].astype(jnp.float32)
-  dparams = eagle3.init_params(dcfg, 1, params, pcfg)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
   tx = optax.adam(1e-2)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
   laid = sequence.lay_out(batch, 1)

@@ -1,10 +1,15 @@
-"""Batched speculative decoding with an EAGLE-3 draft: lossless, static shapes, per-row lengths.
+"""Batched speculative decoding: lossless, static shapes, per-row lengths.
 
 Each round: the draft proposes G tokens after the pending token c; the policy verifies
 [c, d_1..d_G] in one pass; rejection sampling accepts a prefix of a tokens and emits a correction
-or bonus token c' (tau = a + 1 tokens per round). Both KV caches roll back by setting their
-lengths. The draft then catches up on the verified positions with the policy's real features in
-one (G+1)-wide pass whose entry a is already the next round's first proposal.
+or bonus token c' (tau = a + 1 tokens per round). Both caches roll back by setting their lengths.
+
+- EAGLE-3: G - 1 single-entry draft steps chain the draft's own features; after verification the
+  draft catches up on the verified positions with the policy's real features in one (G+1)-wide
+  pass whose entry a is already the next round's first proposal.
+- DFlash / DSpark (block drafts): one draft pass over the block [c, MASK x (W-1)] proposes G
+  tokens at once (DSpark's Markov head then walks the block serially on the sampled tokens);
+  after verification the policy's taps at the verified positions become the draft's context.
 
 Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens, G draft
 tokens per round (G1 = G + 1 verified entries), X = N + G + 1 output buffer, V vocabulary,
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 
 from specdraft.decode.rejection import rejection_sample
 from specdraft.decode.sampling import Generation, Sampling, distribution, draw, take
-from specdraft.model import eagle3
+from specdraft.model import dflash, drafts, eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
@@ -42,7 +47,7 @@ def generate(
   params,
   dparams,
   pcfg: pol.PolicyConfig,
-  dcfg: eagle3.DraftConfig,
+  dcfg: drafts.DraftConfig,
   prompt_BS,
   prompt_lengths_B,
   key,
@@ -68,8 +73,17 @@ def generate(
   models = _Models(params, dparams, pcfg, dcfg)
   N, G = max_new_tokens, num_draft
   sm = Sampling(temperature, top_k, top_p)
-  carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
-  one_round = functools.partial(_round, models, N=N, G=G, sm=sm, sampler=sampler)
+  if drafts.is_block(dcfg):
+    if G > dcfg.num_proposals:
+      raise ValueError(
+        f"num_draft={G}: a {dcfg.kind} draft with block_size {dcfg.block_size} proposes at most "
+        f"{dcfg.num_proposals} tokens a round"
+      )
+    carry = _block_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+    one_round = functools.partial(_block_round, models, N=N, G=G, sm=sm, sampler=sampler)
+  else:
+    carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+    one_round = functools.partial(_round, models, N=N, G=G, sm=sm, sampler=sampler)
   carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), one_round, carry)
   lengths_B = carry["out_len"]
   valid_BN = jnp.arange(N)[None] < lengths_B[:, None]
@@ -91,6 +105,9 @@ class _Models:
     return eagle3.prefill(
       self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT, lengths_B
     )
+
+  def head_weight(self):
+    return pol.head_weight(self.params, self.pcfg)
 
   def fuse(self, tapped_layers):
     """The draft's input features from the policy's tapped layer outputs (Taps.layers)."""
@@ -132,15 +149,19 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sam
     "out_lp": out_lp_BX,
     "out_len": out_len_B,
     "done": (c_B == EOS) | (out_len_B >= N),
-    "stats": {
-      "policy_passes": jnp.int32(1),
-      "draft_passes": jnp.int32(1),
-      "rounds": jnp.int32(0),
-      "tau_sum": jnp.int32(0),
-      "row_rounds": jnp.int32(0),
-      "accept_counts": jnp.zeros((G,), jnp.int32),
-      "reach_counts": jnp.zeros((G,), jnp.int32),
-    },
+    "stats": _initial_stats(G, draft_passes=1),
+  }
+
+
+def _initial_stats(G: int, *, draft_passes: int) -> dict:
+  return {
+    "policy_passes": jnp.int32(1),
+    "draft_passes": jnp.int32(draft_passes),
+    "rounds": jnp.int32(0),
+    "tau_sum": jnp.int32(0),
+    "row_rounds": jnp.int32(0),
+    "accept_counts": jnp.zeros((G,), jnp.int32),
+    "reach_counts": jnp.zeros((G,), jnp.int32),
   }
 
 
@@ -183,12 +204,13 @@ def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G):
   return out, out_lp, out_len_B, done_B
 
 
-def _count(stats: dict, active_B, a_B, *, G) -> dict:
-  """Adds one round to the decoding statistics (only rows still generating count)."""
+def _count(stats: dict, active_B, a_B, *, G, draft_passes: int | None = None) -> dict:
+  """Adds one round to the decoding statistics (only rows still generating count); a round
+  costs G draft passes (EAGLE-3) unless `draft_passes` says otherwise (a block draft: 1)."""
   st = dict(stats)
   pos = jnp.arange(G)[None]
   st["policy_passes"] += 1
-  st["draft_passes"] += G
+  st["draft_passes"] += G if draft_passes is None else draft_passes
   st["rounds"] += 1
   st["tau_sum"] += jnp.sum(jnp.where(active_B, a_B + 1, 0))
   st["row_rounds"] += jnp.sum(active_B)
@@ -235,4 +257,100 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     "out_len": out_len_B,
     "done": done_B,
     "stats": _count(carry["stats"], active_B, a_B, G=G),
+  }
+
+
+# ----------------------------------------------------------------------------- block drafts
+
+
+def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling):
+  """Policy over the prompt and its first token c; the prompt's taps become the draft's context
+  (positions 0 .. P-1, c's block anchored at P). The loop's initial carry."""
+  B, S = prompt_BS.shape
+  capacity = S + N + G + 2
+  rows = jnp.arange(B)
+  pcache = pol.init_cache(models.pcfg, B, capacity)
+  logits_BSV, taps, pcache = pol.prefill(
+    models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
+  )
+  key, sub = jax.random.split(key)
+  _, logp_BV = distribution(logits_BSV[rows, prompt_lengths_B - 1], *sm)
+  c_B = draw(sub, logp_BV, sm.temperature)
+  out_len_B = jnp.ones((B,), jnp.int32)
+  dcache = dflash.init_cache(models.dcfg, B, capacity)
+  dcache = dflash.write_context(
+    models.dparams, models.dcfg, dcache, taps.layers, jnp.zeros((B,), jnp.int32), prompt_lengths_B
+  )
+  return {
+    "key": key,
+    "pcache": pcache,
+    "dcache": dcache,
+    "c": c_B,
+    "out": jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B),
+    "out_lp": jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
+    "out_len": out_len_B,
+    "done": (c_B == EOS) | (out_len_B >= N),
+    "stats": _initial_stats(G, draft_passes=0),
+  }
+
+
+def _block_tokens(models: _Models, key, h_BWE, c_B, *, G, sm: Sampling):
+  """G proposals from one block pass: DFlash samples every slot from its own distribution
+  (they do not depend on each other); DSpark walks the block left to right, each slot's logits
+  shifted by the Markov term of the token sampled before it (c for the first). Returns the
+  tokens [B, G] and the probabilities they were sampled from [B, G, V]."""
+  dp, dcfg = models.dparams, models.dcfg
+  w = models.head_weight()
+  first = dcfg.first_slot
+  keys = jax.random.split(key, G)
+  if dcfg.kind == "dflash":
+    logits_BGV = dflash.slot_logits(dp, dcfg, w, h_BWE[:, first : first + G])
+    q_BGV, logq_BGV = distribution(logits_BGV, *sm)
+    tokens = [draw(keys[g], logq_BGV[:, g], sm.temperature) for g in range(G)]
+    return jnp.stack(tokens, 1), q_BGV
+  tokens, probs, prev = [], [], c_B
+  for g in range(G):  # G is small and static
+    q_BV, logq_BV = distribution(dflash.slot_logits(dp, dcfg, w, h_BWE[:, first + g], prev), *sm)
+    prev = draw(keys[g], logq_BV, sm.temperature)
+    tokens.append(prev)
+    probs.append(q_BV)
+  return jnp.stack(tokens, 1), jnp.stack(probs, 1)
+
+
+def _block_round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
+  """Propose a block, verify it in one policy pass, emit, roll back; the policy's taps at the
+  verified positions become the draft's context."""
+  key, k_draft, k_rej = jax.random.split(carry["key"], 3)
+  pcache, c_B = carry["pcache"], carry["c"]
+  n_B = pcache.lengths
+  active_B = ~carry["done"]
+  rows = jnp.arange(c_B.shape[0])
+  h_BWE = dflash.propose_hidden(
+    models.dparams, models.dcfg, models.params["embed"], carry["dcache"], c_B
+  )
+  draft_BG, q_probs_BGV = _block_tokens(models, k_draft, h_BWE, c_B, G=G, sm=sm)
+
+  verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
+  logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
+  p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
+  q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
+  tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
+  logprobs_BG1 = take(logp_BG1V, tokens_BG1)
+  out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
+
+  # Verified prefix [.., c, d_1..d_a]: the policy's taps there are the next block's context.
+  new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
+  dcache = dflash.write_context(
+    models.dparams, models.dcfg, carry["dcache"], vtaps.layers, n_B, new_n_B
+  )
+  return {
+    "key": key,
+    "pcache": pcache._replace(lengths=new_n_B),
+    "dcache": dcache,
+    "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
+    "out": out,
+    "out_lp": out_lp,
+    "out_len": out_len_B,
+    "done": done_B,
+    "stats": _count(carry["stats"], active_B, a_B, G=G, draft_passes=1),
   }
