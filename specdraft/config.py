@@ -155,8 +155,12 @@ def _validate_block_draft(config) -> None:
   bl = config.draft.block
   if bl.n_layers < 1:
     _fail("draft.block.n_layers", bl.n_layers, "must be >= 1")
-  if bl.block_size < 2:
-    _fail("draft.block.block_size", bl.block_size, "must be >= 2 (the anchor and a proposal)")
+  if bl.block_size and bl.block_size < 2:
+    _fail(
+      "draft.block.block_size",
+      bl.block_size,
+      "must be >= 2 (the anchor and a proposal), or 0 (the block that proposes decode.num_draft)",
+    )
   if bl.gamma <= 0:
     _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
   if config.draft.kind == "dspark":
@@ -165,7 +169,7 @@ def _validate_block_draft(config) -> None:
     if bl.l1_weight < 0:
       _fail("draft.block.l1_weight", bl.l1_weight, "must be >= 0")
   proposals = bl.block_size - 1 if config.draft.kind == "dflash" else bl.block_size
-  if config.decode.num_draft > proposals:
+  if bl.block_size and config.decode.num_draft > proposals:
     _fail(
       "decode.num_draft",
       config.decode.num_draft,

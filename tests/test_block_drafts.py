@@ -213,6 +213,8 @@ def test_config_errors_name_the_field():
   c.draft.block.block_size = 1
   with pytest.raises(ValueError, match=r"draft\.block\.block_size=1"):
     config_lib.validate(c)
+  c.draft.block.block_size = 0  # the block that proposes decode.num_draft tokens
+  config_lib.validate(c)
   c.draft.block.block_size = 4
   c.decode.num_draft = 4  # dflash proposes block_size - 1 = 3
   with pytest.raises(ValueError, match=r"decode\.num_draft=4.*<= 3"):
@@ -323,3 +325,36 @@ def test_block_sd_refuses_more_proposals_than_the_block_holds(decode_setup):
   dcfg = decode_setup[1]
   with pytest.raises(ValueError, match=rf"num_draft={dcfg.num_proposals + 1}.*at most"):
     _sd(decode_setup, jax.random.key(0), num_draft=dcfg.num_proposals + 1)
+
+
+@pytest.mark.slow  # two smoke runs (~3 min); `make test-slow` (and CI) run it
+def test_block_draft_run_resumes_exactly(smoke_config, tmp_path):
+  """The whole run (SFT, distillation, co-trained RL with block-draft rollouts, the SD report)
+  with a DSpark draft proposing decode.num_draft tokens; stopped after RL step 3 and resumed from
+  its checkpoints, it writes the same RL metrics as the uninterrupted run."""
+  import json
+  import os
+
+  from specdraft.train import loop
+
+  c = smoke_config
+  c.draft.kind = "dspark"
+  c.checkpoint.every = 3
+  full = str(tmp_path / "full")
+  summary = loop.train_and_evaluate(c, full)
+  assert summary["rollout"]["num_draft"] == c.decode.num_draft
+  assert summary["rollout"]["greedy_equal"]
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(c, part, stop_after=("rl", 3))
+  loop.train_and_evaluate(c, part)
+  timing = {"rollout_seconds", "train_seconds", "seconds_per_step"}
+
+  def read(wd):
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+      rows = [json.loads(ln) for ln in f if ln.strip()]
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+  a, b = read(full), read(part)
+  assert [r["step"] for r in b] == list(range(1, c.rl.steps + 1))
+  assert a == b
+  assert all(r["accept_len"] > 1.0 for r in a)  # the block draft's proposals were accepted

@@ -91,10 +91,13 @@ class BlockDraftConfig:
     return self.num_proposals
 
   @classmethod
-  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> BlockDraftConfig:
-    """Draft dims default to the policy's where the config leaves them 0."""
+  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig, num_draft: int = 0) -> BlockDraftConfig:
+    """Draft dims default to the policy's where the config leaves them 0; block_size 0 means
+    the block that proposes `num_draft` tokens a round (dflash: num_draft + 1, dspark:
+    num_draft), so kinds compare at an equal number of proposals."""
     pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
     block = draft_cfg.block
+    block_size = block.block_size or block_size_for(draft_cfg.kind, num_draft)
     return cls(
       kind=draft_cfg.kind,
       d_model=pcfg.d_model,
@@ -105,7 +108,7 @@ class BlockDraftConfig:
       n_kv_heads=pick("n_kv_heads"),
       head_dim=pick("head_dim"),
       d_ff=pick("d_ff"),
-      block_size=block.block_size,
+      block_size=block_size,
       gamma=block.gamma,
       markov_rank=block.markov_rank,
       l1_weight=block.l1_weight,
@@ -113,6 +116,13 @@ class BlockDraftConfig:
       norm_eps=pcfg.norm_eps,
       dtype=pcfg.dtype,
     )
+
+
+def block_size_for(kind: str, num_draft: int) -> int:
+  """The block that proposes `num_draft` tokens a round."""
+  if num_draft < 1:
+    raise ValueError(f"num_draft={num_draft}: a block draft needs at least one proposal a round")
+  return num_draft + 1 if kind == "dflash" else num_draft
 
 
 class _Layers(nnx.Module):

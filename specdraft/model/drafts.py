@@ -25,14 +25,15 @@ def is_block(dcfg) -> bool:
   return isinstance(dcfg, dflash.BlockDraftConfig)
 
 
-def draft_config(draft_cfg, pcfg: pol.PolicyConfig):
-  """The draft's static config from the run config's `draft` block."""
+def draft_config(draft_cfg, pcfg: pol.PolicyConfig, num_draft: int = 0):
+  """The draft's static config from the run config's `draft` block (`num_draft`, the tokens
+  proposed per SD round, sizes a block draft whose block_size is 0)."""
   kind = draft_cfg.get("kind", "eagle3")
   if kind not in KINDS:
     raise ValueError(f"config.draft.kind={kind!r} is invalid: expected one of {KINDS}")
   if kind == "eagle3":
     return eagle3.DraftConfig.from_config(draft_cfg, pcfg)
-  return dflash.BlockDraftConfig.from_config(draft_cfg, pcfg)
+  return dflash.BlockDraftConfig.from_config(draft_cfg, pcfg, num_draft)
 
 
 def init_params(dcfg, seed: int, policy_params=None, pcfg=None):

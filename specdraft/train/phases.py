@@ -58,7 +58,7 @@ class Context:
     n_eval = min(config.eval.num_examples, len(test_src))
     self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
     self.pcfg = state_lib.policy_config(config)
-    self.dcfg = drafts.draft_config(config.draft, self.pcfg)
+    self.dcfg = drafts.draft_config(config.draft, self.pcfg, config.decode.num_draft)
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
     self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
