@@ -190,6 +190,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # K = 3 TTT steps: the co-training step costs about 1.2x an RL-only step at 12 layers
     # (7 steps: about 1.55x; docs/results/bench_step), which the whole RL step's time feels.
     c.draft.ttt_steps = 3
+    # G = 3 proposals a round: the fastest of G = 1..6 at this setting, 1.63x AR against 1.40x at
+    # G = 5 (docs/results/bench_num_draft, configs/bench_rollout.py:sweep at 185acba): a longer
+    # proposal raises tau by less than its draft passes cost
+    c.decode.num_draft = 3
     # at 5e-4 the 12-layer policy switched format within 7 steps (reward 0.05 -> 0.44), then its
     # arithmetic broke (reward back to ~0.05 by step 18): too large a step for this depth
     c.rl.lr = 2e-4

@@ -26,6 +26,7 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)
     c.sft.steps, c.eval.every, c.draft.pretrain_steps = 800, 400, 160
+    c.decode.num_draft = 5  # its committed results' G (make run's default is now 3)
   c.drift = dict(arms=("none", "fixed", "cotrained"), seeds=1 if arg.smoke else arg.seeds)
   # Reward threshold for "wall-clock to reach it": the trailing mean over threshold_window steps.
   c.drift.reward_threshold, c.drift.threshold_window = 0.4, 3
