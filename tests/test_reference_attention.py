@@ -175,3 +175,24 @@ def test_bad_shapes_are_clear_errors():
     branch_attention(q, k, v, qb, kb, vb, seg[:, :4], branch="ttt")
   with pytest.raises(ValueError, match="impl='flash'"):
     branch_attention(q, k, v, qb, kb, vb, seg, branch="ttt", impl="flash")
+
+
+def test_mask_picture_reads_the_oracles_visibility(tmp_path):
+  """The docs' mask picture (bench/masks.py) is read off the oracle: spot checks by hand on a
+  row of two documents [1, 1, 1, 1, 2, 2, 2] with W = 3."""
+  from specdraft.bench import masks
+
+  S, W = 7, 3
+  shown = masks.plot(str(tmp_path / "masks.png"))
+  assert (tmp_path / "masks.png").stat().st_size > 0
+  trunk, ttt, block = shown["trunk"], shown["ttt"], shown["block"]
+  want_trunk = np.array([[s <= t and (s < 4) == (t < 4) for s in range(S)] for t in range(S)])
+  np.testing.assert_array_equal(trunk, want_trunk)
+  row = lambda t, j: t * W + j
+  br = lambda t, i: S + t * W + i
+  # TTT (t=5, j=1): trunk 4, 5 (its document, s <= t) and its own entries 0, 1
+  assert set(np.flatnonzero(ttt[row(5, 1)])) == {4, 5, br(5, 0), br(5, 1)}
+  # block (t=5, j=1): trunk 4 only (s < t) and its whole block
+  assert set(np.flatnonzero(block[row(5, 1)])) == {4, br(5, 0), br(5, 1), br(5, 2)}
+  # a block anchored at a document's first token sees no trunk key at all
+  assert set(np.flatnonzero(block[row(4, 0)])) == {br(4, 0), br(4, 1), br(4, 2)}

@@ -59,17 +59,9 @@ def compare_rollouts(
     max_new_tokens=max_new_tokens,
     num_draft=num_draft,
   )
-  first_call_s = {
-    name: _seconds(fn, jax.random.key(seed), temperature)[0] for name, fn in run.items()
-  }
-  samples = {"ar": [], "sd": []}
-  for r in range(repeats):
-    key = jax.random.key(seed + 1 + r)
-    for name, fn in run.items():
-      seconds, gen = _seconds(fn, key, temperature)
-      figures = decoding_figures(gen)
-      figures["tokens_per_s"] = figures["tokens"] / seconds
-      samples[name].append(figures)
+  first_call_s, samples = time_side_by_side(
+    run, temperature=temperature, repeats=repeats, seed=seed
+  )
   out = _summarise(samples, batch=int(prompts_BS.shape[0]))
   out.update(
     temperature=float(temperature),
@@ -130,16 +122,7 @@ def sweep_num_draft(
       max_new_tokens=max_new_tokens,
       num_draft=int(G),
     )["sd"]
-  for fn in run.values():
-    _seconds(fn, jax.random.key(seed), temperature)
-  samples = {name: [] for name in run}
-  for r in range(repeats):
-    key = jax.random.key(seed + 1 + r)
-    for name, fn in run.items():
-      seconds, gen = _seconds(fn, key, temperature)
-      figures = decoding_figures(gen)
-      figures["tokens_per_s"] = figures["tokens"] / seconds
-      samples[name].append(figures)
+  _, samples = time_side_by_side(run, temperature=temperature, repeats=repeats, seed=seed)
   batch = int(prompts_BS.shape[0])
   by_num_draft = {}
   for G in num_drafts:
@@ -156,6 +139,70 @@ def sweep_num_draft(
     "best_num_draft": best["num_draft"],
     "best_speedup": best["speedup"],
   }
+
+
+def compare_drafts(
+  params,
+  pcfg,
+  drafts_by_name: dict,
+  prompts_BS,
+  prompt_lengths_B,
+  *,
+  max_new_tokens: int,
+  num_draft: int,
+  temperature: float,
+  repeats: int,
+  seed: int = 0,
+) -> dict:
+  """SD with each draft of `drafts_by_name` ({name: (dparams, dcfg)}) against one AR baseline
+  on the same policy, prompts, G and sampling, timed side by side (`time_side_by_side`).
+
+  Returns {"by_draft": {name: the figures of `compare_rollouts`}, ...}; greedy equality is
+  checked for every draft."""
+  kw = dict(max_new_tokens=max_new_tokens, num_draft=num_draft)
+  run = {}
+  for name, (dparams, dcfg) in drafts_by_name.items():
+    gens = _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw)
+    run.setdefault("ar", gens["ar"])
+    run[name] = gens["sd"]
+  first_call_s, samples = time_side_by_side(
+    run, temperature=temperature, repeats=repeats, seed=seed
+  )
+  batch = int(prompts_BS.shape[0])
+  by_draft = {}
+  for name in drafts_by_name:
+    row = _summarise({"ar": samples["ar"], "sd": samples[name]}, batch=batch)
+    row.update(first_call_s_ar=first_call_s["ar"], first_call_s_sd=first_call_s[name])
+    row.update(greedy_agreement(run["ar"], run[name], jax.random.key(seed)))
+    by_draft[name] = row
+  return {
+    "batch": batch,
+    "temperature": float(temperature),
+    "num_draft": int(num_draft),
+    "max_new_tokens": int(max_new_tokens),
+    "repeats": int(repeats),
+    "by_draft": by_draft,
+  }
+
+
+def time_side_by_side(run: dict, *, temperature: float, repeats: int, seed: int = 0):
+  """Calls every generator of `run` ({name: (key, temperature) -> Generation}) once first
+  (compile + one run: `first_call_s`, never timed), then `repeats` times in turn with the same
+  key per repeat, so slow phases of a shared machine hit all of them.
+
+  Returns (first_call_s {name: s}, samples {name: [decoding_figures + tokens_per_s per repeat]})."""
+  first_call_s = {
+    name: _seconds(fn, jax.random.key(seed), temperature)[0] for name, fn in run.items()
+  }
+  samples = {name: [] for name in run}
+  for r in range(repeats):
+    key = jax.random.key(seed + 1 + r)
+    for name, fn in run.items():
+      seconds, gen = _seconds(fn, key, temperature)
+      figures = decoding_figures(gen)
+      figures["tokens_per_s"] = figures["tokens"] / seconds
+      samples[name].append(figures)
+  return first_call_s, samples
 
 
 def _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) -> dict:

@@ -1,0 +1,60 @@
+"""EAGLE-3 vs DFlash vs DSpark on one policy: the same SFT policy, prompts, sampling and number of
+proposed tokens per round, each draft distilled for the same steps.
+
+Run:   python experiments/bench_drafts.py --config=configs/bench_drafts.py --workdir=docs/results/bench_drafts
+Smoke: python experiments/bench_drafts.py --config=configs/bench_drafts.py:smoke --workdir=/tmp/bd
+
+The task and model of configs/bench_rollout.py (a 12-layer policy; one-layer drafts; the
+one-format arithmetic scratchpad, 40 new tokens, temperature 1), with G = 3 proposals a round
+(the EAGLE-3 draft with K = 3 TTT steps, DFlash with blocks of 4, DSpark with blocks of 3).
+"""
+
+from __future__ import annotations
+
+from configs import bench_rollout
+from specdraft.config import parse_arg
+
+
+def get_config(arg: str | None = None):
+  arg = parse_arg(arg, smoke=False, num_draft=3)
+  c = bench_rollout.get_config("smoke" if arg.smoke else None)
+  G = arg.num_draft
+  c.decode.num_draft = G
+  c.draft.ttt_steps = G  # EAGLE-3 trains as many TTT steps as it proposes
+  c.draft.block.block_size = 0  # each block draft's block proposes G tokens
+  c.bench = dict(
+    kinds=("eagle3", "dflash", "dspark"),
+    batch_sizes=(1, 4) if arg.smoke else (1, 8, 32, 128),
+    num_draft=G,
+    temperature=1.0,
+    repeats=2 if arg.smoke else 3,
+    max_new_tokens=c.decode.max_new_tokens,
+  )
+  # Fixed before the run (copied into results.json with pass/fail): the issue's comparisons.
+  c.bench.goals = dict(
+    dflash_tau=dict(
+      metric="all_batches.dflash_over_eagle3_tau",
+      op=">=",
+      target=1.0,
+      what=f"DFlash tau / EAGLE-3 tau at G={G}, T=1 (mean over batch sizes)",
+    ),
+    dflash_speedup=dict(
+      metric="all_batches.dflash_over_eagle3_speedup_smallest_batch",
+      op=">=",
+      target=1.0,
+      what="DFlash's SD/AR speedup / EAGLE-3's at the smallest batch",
+    ),
+    markov_head=dict(
+      metric="all_batches.dspark_over_dflash_tau",
+      op=">",
+      target=1.0,
+      what="DSpark tau / DFlash tau (the Markov head raises tau at the same proposals)",
+    ),
+    greedy_equal=dict(
+      metric="all_batches.greedy_equal",
+      op="==",
+      target=True,
+      what="greedy SD == greedy AR on every row, for every draft and batch size",
+    ),
+  )
+  return c
