@@ -358,3 +358,57 @@ def test_block_draft_run_resumes_exactly(smoke_config, tmp_path):
   assert [r["step"] for r in b] == list(range(1, c.rl.steps + 1))
   assert a == b
   assert all(r["accept_len"] > 1.0 for r in a)  # the block draft's proposals were accepted
+
+
+@pytest.mark.slow  # one SFT, three distillations and the timing at smoke size (~3 min)
+def test_drafts_benchmark_smoke_and_its_readme_section(tmp_path):
+  """experiments/bench_drafts.py at smoke size: every kind distilled from one SFT policy and timed
+  against one AR baseline at the same G; the goals evaluate and the README section renders."""
+  from configs import bench_drafts
+  from specdraft.bench import drafts as bench
+  from specdraft.bench import readme
+
+  c = bench_drafts.get_config("smoke")
+  c.data.data_dir = str(tmp_path / "tfds")
+  c.parallel.devices = 1
+  out = bench.run(c, str(tmp_path / "bd"))
+  assert [r["batch"] for r in out["rows"]] == list(c.bench.batch_sizes)
+  for r in out["rows"]:
+    assert set(r["by_draft"]) == set(c.bench.kinds)
+    ar = {d["ar_tokens_per_s"] for d in r["by_draft"].values()}
+    assert len(ar) == 1  # one AR baseline for every draft
+    for d in r["by_draft"].values():
+      assert 1.0 <= d["tau"] <= c.bench.num_draft + 1 and d["greedy_equal"]
+      assert len(d["accept_per_position"]) == c.bench.num_draft
+  assert set(out["goals"]) == {"dflash_tau", "dflash_speedup", "markov_head", "greedy_equal"}
+  assert out["goals"]["greedy_equal"]["met"]
+  text = readme.drafts_compare(out)
+  assert "DFlash with blocks of 4" in text and "| batch | eagle3 speedup" in text
+
+
+@pytest.mark.slow  # a pipelined, context-parallel step against the single device (~1 min)
+def test_cotrain_step_on_the_last_pipeline_stage_equals_single_device():
+  """pp2_cp2_dp2: the policy as a pipeline whose stages attend through the ring, the taps on the
+  TapChannel to the last stage, the DFlash loss on that stage's sequence shards: the whole
+  co-training loss and its gradients equal the single-device step."""
+  from specdraft.model import pipelined
+
+  c, pcfg, dcfg, tr = _setup("dflash")
+  batch = _batch()
+  mesh, rules = _mesh("pp2_cp2_dp2")
+  spec = pipelined.PipelineSpec(microbatches=2, tap_mode="direct", remat=True)
+
+  def value_and_grad(b, mesh=None, pipeline=None):
+    loss = lambda t: step_lib.cotrain_loss(
+      t, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, mesh=mesh, pipeline=pipeline,
+      max_tokens=24, vocab_chunk=8,
+    )  # fmt: skip
+    return jax.device_get(jax.jit(jax.value_and_grad(loss, has_aux=True))(tr))
+
+  (l1, m1), g1 = value_and_grad(sequence.lay_out(batch, 1))
+  laid = sequence.shard(sequence.lay_out(batch, 2), mesh, rules)
+  (l2, m2), g2 = value_and_grad(laid, mesh, spec)
+  np.testing.assert_allclose(l2, l1, rtol=1e-5)
+  for k in ("draft_loss", "ttt_acc_0", "ttt_acc_1", "ttt_acc_2"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  tol.assert_grads_close(g2, g1, rtol=1e-5, err="pp2_cp2_dp2 ")

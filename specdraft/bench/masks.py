@@ -46,10 +46,10 @@ def plot(path: str, segment_ids=(1, 1, 1, 1, 2, 2, 2), W: int = 3) -> dict:
   trunk, ttt = visibility(segment_ids, W, "ttt")
   _, block = visibility(segment_ids, W, "block")
   fig, axes = plt.subplots(
-    1, 3, figsize=(14, 5), gridspec_kw={"width_ratios": [S, S + S * W, S + S * W]}
+    1, 3, figsize=(15, 5), gridspec_kw={"width_ratios": [S, S + S * W, S + S * W]}
   )
   panels = (
-    (trunk, "policy trunk (and EAGLE-3 step 0): s <= t", [f"t{t}" for t in range(S)]),
+    (trunk, "trunk: s <= t\n(policy; EAGLE-3 step 0)", [f"t{t}" for t in range(S)]),
     (ttt, f"EAGLE-3 TTT branch, W={W}: s <= t, own steps i <= j", None),
     (block, f"DFlash / DSpark block, W={W}: s < t, whole own block", None),
   )
@@ -64,7 +64,7 @@ def plot(path: str, segment_ids=(1, 1, 1, 1, 2, 2, 2), W: int = 3) -> dict:
     ax.set_xticks(range(len(names)), names, fontsize=5, rotation=90)
     if m.shape[1] > S:
       ax.axvline(S - 0.5, color="tab:red", lw=1)
-    ax.set_xlabel("keys: trunk s, then branch (anchor, entry)", fontsize=7)
+    ax.set_xlabel("keys: trunk s | branch (anchor, entry)", fontsize=7)
   fig.suptitle(f"who sees whom in one packed row (segments {list(segment_ids)}; black = visible)")
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -129,6 +129,56 @@ def rollout(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def num_draft_sweep(r: dict) -> str:
+  s, k = r["sweep"], r["config"]
+  rows = [
+    [
+      G,
+      f"{_f(s['by_num_draft'][str(G)]['speedup'])}×",
+      " ".join(_f(x) for x in s["by_num_draft"][str(G)]["speedup_per_repeat"]),
+      _f(s["by_num_draft"][str(G)]["tau"]),
+      _f(s["by_num_draft"][str(G)]["sd_policy_passes_per_token"]),
+    ]
+    for G in s["num_drafts"]
+  ]
+  head = (
+    "### Choosing G: SD at every G against AR on `make run`'s checkpoint\n\n"
+    f"The default run's SFT policy ({k['policy_layers']} layers, d={k['d_model']}) and its EAGLE-3 "
+    f"draft distilled for {k['draft_steps']} steps (K = {k['ttt_steps']}), "
+    f"{s['batch']} held-out prompts, temperature {s['temperature']:g}, {s['max_new_tokens']} new "
+    f"tokens; AR and SD at every G timed side by side in {s['repeats']} repeats (speedup: median "
+    f"SD rate over median AR rate). The fastest G is {s['best_num_draft']} "
+    f"({_f(s['best_speedup'])}×): a longer proposal raises τ by less than its draft passes cost. "
+    f"`make run` proposes G = {s['best_num_draft']} tokens a round."
+  )
+  table = _table(["G", "speedup", "per repeat", "τ", "SD policy passes/token"], rows)
+  return head + "\n\n" + table
+
+
+def drafts_compare(r: dict) -> str:
+  k = r["config"]
+  kinds = k["kinds"]
+  rows = []
+  for x in r["rows"]:
+    row = [x["batch"]]
+    for kind in kinds:
+      d = x["by_draft"][kind]
+      row += [f"{_f(d['speedup'])}×", _f(d["tau"])]
+    rows.append(row)
+  header = ["batch"] + [c for kind in kinds for c in (f"{kind} speedup", f"{kind} τ")]
+  losses = ", ".join(f"{kind} {_f(r['training'][kind]['draft_loss'], 3)}" for kind in kinds)
+  head = (
+    "### Drafts: EAGLE-3, DFlash and DSpark on one policy\n\n"
+    f"One SFT policy ({k['policy_layers']} layers, d={k['d_model']}, {k['sft_steps']} SFT steps); "
+    f"each draft distilled from it for {k['draft_steps']} steps; every draft proposes "
+    f"G = {k['num_draft']} tokens a round (EAGLE-3 with K = {k['num_draft']} TTT steps, DFlash "
+    f"with blocks of {k['num_draft'] + 1}, DSpark with blocks of {k['num_draft']}); temperature "
+    f"{k['temperature']:g}, {k['max_new_tokens']} new tokens; AR and SD with every draft timed "
+    f"side by side ({k['repeats']} repeats; speedup over AR). Final distillation losses: {losses}."
+  )
+  return head + "\n\n" + _table(header, rows)
+
+
 def step(r: dict) -> str:
   rows = [
     [
@@ -593,7 +643,9 @@ def long_run(r: dict, rel_dir: str) -> str:
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
+  ("docs/results/bench_num_draft/results.json", lambda r, d: num_draft_sweep(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
+  ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
   ("docs/results/bench_long/results.json", long),
