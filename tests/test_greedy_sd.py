@@ -50,7 +50,10 @@ def _draft_config(kind, pcfg):
   )
 
 
-@pytest.fixture(scope="module", params=drafts.KINDS)
+# DSpark's run (the DFlash path plus its Markov head) is in `make test-slow`; CI runs both suites.
+@pytest.fixture(
+  scope="module", params=["eagle3", "dflash", pytest.param("dspark", marks=pytest.mark.slow)]
+)
 def setup(request):
   pcfg = pol.PolicyConfig(
     vocab_size=V,
