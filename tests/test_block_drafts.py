@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_speculative import _two_sample_pvalue, broken_rejection_sample
+from test_speculative import _two_sample_pvalue, assert_behaviour_logprobs, broken_rejection_sample
 
 from configs import default as default_config
 from specdraft.decode import autoregressive, speculative
-from specdraft.decode.sampling import join_prompt_completion, logprob_at
 from specdraft.model import dflash, drafts
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
@@ -324,14 +323,7 @@ def test_block_sd_under_truncated_sampling_and_its_logprobs(decode_setup):
   ar = autoregressive.generate(params, pcfg, prompts, lengths, jax.random.key(2), **kw)
   sd = _sd(decode_setup, jax.random.key(3), **kw)
   assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
-  few = sd._replace(tokens=sd.tokens[:64], logprobs=sd.logprobs[:64], lengths=sd.lengths[:64])
-  batch = join_prompt_completion(prompts[:64], lengths[:64], few)
-  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
-  want = logprob_at(logits[:, 2:5], sd.tokens[:64], *setting)
-  valid = np.arange(3)[None] < np.asarray(sd.lengths[:64])[:, None]
-  np.testing.assert_allclose(
-    np.asarray(sd.logprobs[:64])[valid], np.asarray(want)[valid], rtol=1e-4, atol=1e-4
-  )
+  assert_behaviour_logprobs(params, pcfg, prompts, lengths, sd, setting)
 
 
 def test_block_sd_refuses_more_proposals_than_the_block_holds(decode_setup):

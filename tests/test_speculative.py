@@ -484,15 +484,22 @@ def test_sd_and_ar_sample_the_same_truncated_distribution(two_sample_setup, sett
   )
   assert _two_sample_pvalue(ar.tokens, sd.tokens) > 1e-3
   assert _two_sample_pvalue(ar.tokens, ar_t1.tokens) < 1e-6
-  # behaviour log-probs: the sampled distribution, recomputed from a full forward
-  few = sd._replace(tokens=sd.tokens[:64], logprobs=sd.logprobs[:64], lengths=sd.lengths[:64])
-  batch = join_prompt_completion(prompts[:64], lengths[:64], few)
-  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
-  want = logprob_at(logits[:, 2:5], sd.tokens[:64], *setting)
-  valid = np.arange(3)[None] < np.asarray(sd.lengths[:64])[:, None]
-  got = np.asarray(sd.logprobs[:64])
-  np.testing.assert_allclose(got[valid], np.asarray(want)[valid], rtol=1e-4, atol=1e-4)
+  assert_behaviour_logprobs(params, pcfg, prompts, lengths, sd, setting)
   assert np.all(np.isfinite(np.asarray(sd.logprobs)))
+
+
+def assert_behaviour_logprobs(params, pcfg, prompts, lengths, gen, setting, rows=64):
+  """The first `rows` rows' behaviour log-probs (3-token prompts, 3 new tokens) are of the
+  sampled distribution, recomputed from a full forward."""
+  few = gen._replace(
+    tokens=gen.tokens[:rows], logprobs=gen.logprobs[:rows], lengths=gen.lengths[:rows]
+  )
+  batch = join_prompt_completion(prompts[:rows], lengths[:rows], few)
+  logits, _ = pol.forward(params, pcfg, batch["tokens"], batch["positions"], batch["segment_ids"])
+  want = logprob_at(logits[:, 2:5], gen.tokens[:rows], *setting)
+  valid = np.arange(3)[None] < np.asarray(gen.lengths[:rows])[:, None]
+  got = np.asarray(gen.logprobs[:rows])
+  np.testing.assert_allclose(got[valid], np.asarray(want)[valid], rtol=1e-4, atol=1e-4)
 
 
 def test_training_logprobs_use_the_rollout_distribution():

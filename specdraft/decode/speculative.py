@@ -219,6 +219,20 @@ def _count(stats: dict, active_B, a_B, *, G, draft_passes: int | None = None) ->
   return st
 
 
+def _verify(models: _Models, carry, key, draft_BG, q_probs_BGV, *, N, G, sm: Sampling, sampler):
+  """Verify [c, d_1..d_G] in one policy pass, rejection-sample against the probabilities the
+  draft sampled from, emit. Returns (tokens_BG1, accepted a_B, the verification pass's taps, the
+  policy cache (lengths not yet rolled back), (out, out_lp, out_len, done))."""
+  verify_BG1 = jnp.concatenate([carry["c"][:, None], draft_BG], 1)
+  logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, carry["pcache"], verify_BG1)
+  p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
+  q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
+  tokens_BG1, a_B = sampler(key, draft_BG, q_probs_BGV, p_probs_BG1V)
+  logprobs_BG1 = take(logp_BG1V, tokens_BG1)
+  emitted = _emit(carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], N=N, G=G)
+  return tokens_BG1, a_B, vtaps, pcache, emitted
+
+
 def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
   """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up."""
   key, k_draft, k_rej = jax.random.split(carry["key"], 3)
@@ -230,14 +244,10 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], G=G, sm=sm
   )
 
-  # Verify [c, d_1..d_G] in one policy pass.
-  verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
-  logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
-  p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
-  q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
-  tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
-  logprobs_BG1 = take(logp_BG1V, tokens_BG1)
-  out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
+  tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
+    models, carry, k_rej, draft_BG, q_probs_BGV, N=N, G=G, sm=sm, sampler=sampler
+  )
+  out, out_lp, out_len_B, done_B = emitted
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
   new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
@@ -330,13 +340,10 @@ def _block_round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
   )
   draft_BG, q_probs_BGV = _block_tokens(models, k_draft, h_BWE, c_B, G=G, sm=sm)
 
-  verify_BG1 = jnp.concatenate([c_B[:, None], draft_BG], 1)
-  logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, pcache, verify_BG1)
-  p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
-  q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
-  tokens_BG1, a_B = sampler(k_rej, draft_BG, q_probs_BGV, p_probs_BG1V)
-  logprobs_BG1 = take(logp_BG1V, tokens_BG1)
-  out, out_lp, out_len_B, done_B = _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, N=N, G=G)
+  tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
+    models, carry, k_rej, draft_BG, q_probs_BGV, N=N, G=G, sm=sm, sampler=sampler
+  )
+  out, out_lp, out_len_B, done_B = emitted
 
   # Verified prefix [.., c, d_1..d_a]: the policy's taps there are the next block's context.
   new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
