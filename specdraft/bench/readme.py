@@ -174,7 +174,8 @@ def drafts_compare(r: dict) -> str:
     f"G = {k['num_draft']} tokens a round (EAGLE-3 with K = {k['num_draft']} TTT steps, DFlash "
     f"with blocks of {k['num_draft'] + 1}, DSpark with blocks of {k['num_draft']}); temperature "
     f"{k['temperature']:g}, {k['max_new_tokens']} new tokens; AR and SD with every draft timed "
-    f"side by side ({k['repeats']} repeats; speedup over AR). Final distillation losses: {losses}."
+    f"side by side ({k['repeats']} repeats; speedup over AR). Final distillation losses (each "
+    f"kind's own objective, not comparable across kinds): {losses}."
   )
   return head + "\n\n" + _table(header, rows)
 
