@@ -155,11 +155,13 @@ def _validate_block_draft(config) -> None:
   bl = config.draft.block
   if bl.n_layers < 1:
     _fail("draft.block.n_layers", bl.n_layers, "must be >= 1")
-  if bl.block_size and bl.block_size < 2:
+  least = 2 if config.draft.kind == "dflash" else 1  # dflash's slot 0 is the anchor, no proposal
+  if bl.block_size and bl.block_size < least:
     _fail(
       "draft.block.block_size",
       bl.block_size,
-      "must be >= 2 (the anchor and a proposal), or 0 (the block that proposes decode.num_draft)",
+      f"must be >= {least} for {config.draft.kind} (a block that proposes at least one token), "
+      "or 0 (the block that proposes decode.num_draft)",
     )
   if bl.gamma <= 0:
     _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")

@@ -225,6 +225,11 @@ def test_config_errors_name_the_field():
     config_lib.validate(c)
   c.draft.kind = "dspark"  # dspark proposes block_size = 4
   config_lib.validate(c)
+  c.draft.block.block_size, c.decode.num_draft = 1, 1  # one proposal: a valid dspark block
+  config_lib.validate(c)
+  c.draft.block.block_size = -1
+  with pytest.raises(ValueError, match=r"draft\.block\.block_size=-1.*>= 1 for dspark"):
+    config_lib.validate(c)
 
 
 # ----------------------------------------------------------------------------- drafting

@@ -167,8 +167,8 @@ class Shards:
     Returns attend(k_ctx, v_ctx, q_br, k_br, v_br) -> out_br for `dflash.block_hidden`."""
 
     def attend(k_ctx, v_ctx, q_br, k_br, v_br):
-      B, S, _, H, D = q_br.shape
-      q0 = jnp.zeros((B, S, H, D), q_br.dtype)
+      # zeros shaped (and, under shard_map, varying) like the block queries
+      q0 = jnp.zeros_like(q_br[:, :, 0])
       return ring.ring_attention_shard(
         q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS.astype(jnp.int32),
         positions_BS.astype(jnp.int32), branch="block", axis_name=self.axis, cp=self.cp,
