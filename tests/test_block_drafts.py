@@ -225,6 +225,12 @@ def test_config_errors_name_the_field():
     config_lib.validate(c)
   c.draft.kind = "dspark"  # dspark proposes block_size = 4
   config_lib.validate(c)
+  # the benchmarks that build EAGLE-3 drafts directly refuse another kind instead of ignoring it
+  from specdraft.model import eagle3
+
+  pcfg = pol.PolicyConfig.from_config(c.model, 99)
+  with pytest.raises(ValueError, match=r"draft\.kind='dspark'.*EAGLE-3 draft only"):
+    eagle3.DraftConfig.from_config(c.draft, pcfg)
   c.draft.block.block_size, c.decode.num_draft = 1, 1  # one proposal: a valid dspark block
   config_lib.validate(c)
   c.draft.block.block_size = -1

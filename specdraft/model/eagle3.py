@@ -49,7 +49,14 @@ class DraftConfig:
 
   @classmethod
   def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> DraftConfig:
-    """Draft dims default to the policy's where the config leaves them 0."""
+    """Draft dims default to the policy's where the config leaves them 0. Refuses a config
+    whose draft.kind is another kind (the entry points that build EAGLE-3 drafts directly)."""
+    kind = draft_cfg.get("kind", "eagle3")
+    if kind != "eagle3":
+      raise ValueError(
+        f"config.draft.kind={kind!r}: this program builds an EAGLE-3 draft only; block drafts "
+        "run through experiments/train.py, long_run.py and bench_drafts.py (model/drafts.py)"
+      )
     pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
     return cls(
       d_model=pcfg.d_model,
