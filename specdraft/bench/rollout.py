@@ -13,8 +13,12 @@ import jax
 import numpy as np
 
 from specdraft.bench import provenance
-from specdraft.decode import autoregressive, speculative
-from specdraft.decode.compare import compare_rollouts, greedy_agreement, sweep_num_draft
+from specdraft.decode.compare import (
+  compare_rollouts,
+  generators,
+  greedy_agreement,
+  sweep_num_draft,
+)
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks import loader
@@ -129,24 +133,10 @@ def run_sweep(config, workdir: str) -> dict:
     seed=100,
   )
   G, N = sweep["best_num_draft"], b.max_new_tokens
-  greedy = greedy_agreement(
-    lambda k, t: autoregressive.generate(
-      params, ctx.pcfg, prompts_BS, lengths_B, k, max_new_tokens=N, temperature=t
-    ),
-    lambda k, t: speculative.generate(
-      params,
-      dparams,
-      ctx.pcfg,
-      ctx.dcfg,
-      prompts_BS,
-      lengths_B,
-      k,
-      max_new_tokens=N,
-      temperature=t,
-      num_draft=G,
-    ),
-    jax.random.key(100),
+  run = generators(
+    params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, max_new_tokens=N, num_draft=G
   )
+  greedy = greedy_agreement(run["ar"], run["sd"], jax.random.key(100))
   payload = {
     "config": {
       "num_draft_sweep": list(b.num_draft_sweep),

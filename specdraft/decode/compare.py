@@ -49,7 +49,7 @@ def compare_rollouts(
   in each repeat, so slow phases of a shared machine hit both. Rates are medians over repeats;
   `speedup` is the ratio of the median rates and `speedup_per_repeat` the paired ratios.
   """
-  run = _generators(
+  run = generators(
     params,
     dparams,
     pcfg,
@@ -99,29 +99,11 @@ def sweep_num_draft(
   `compare_rollouts` (speedup = median SD rate / median AR rate, paired ratios per repeat);
   `best_num_draft` is the G with the highest speedup.
   """
-  run = {
-    "ar": _generators(
-      params,
-      dparams,
-      pcfg,
-      dcfg,
-      prompts_BS,
-      prompt_lengths_B,
-      max_new_tokens=max_new_tokens,
-      num_draft=1,
-    )["ar"]
-  }
-  for G in num_drafts:
-    run[G] = _generators(
-      params,
-      dparams,
-      pcfg,
-      dcfg,
-      prompts_BS,
-      prompt_lengths_B,
-      max_new_tokens=max_new_tokens,
-      num_draft=int(G),
-    )["sd"]
+  at = lambda G: generators(
+    params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B,
+    max_new_tokens=max_new_tokens, num_draft=int(G),
+  )  # fmt: skip
+  run = {"ar": at(1)["ar"], **{G: at(G)["sd"] for G in num_drafts}}
   _, samples = time_side_by_side(run, temperature=temperature, repeats=repeats, seed=seed)
   batch = int(prompts_BS.shape[0])
   by_num_draft = {}
@@ -162,7 +144,7 @@ def compare_drafts(
   kw = dict(max_new_tokens=max_new_tokens, num_draft=num_draft)
   run = {}
   for name, (dparams, dcfg) in drafts_by_name.items():
-    gens = _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw)
+    gens = generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw)
     run.setdefault("ar", gens["ar"])
     run[name] = gens["sd"]
   first_call_s, samples = time_side_by_side(
@@ -205,7 +187,7 @@ def time_side_by_side(run: dict, *, temperature: float, repeats: int, seed: int 
   return first_call_s, samples
 
 
-def _generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) -> dict:
+def generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) -> dict:
   """{"ar": (key, temperature) -> Generation, "sd": the same with the draft}."""
   num_draft = kw.pop("num_draft")
   ar = lambda key, t: autoregressive.generate(

@@ -114,41 +114,49 @@ class _Models:
     return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
 
 
-def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling) -> dict:
-  """Policy over the prompt and its first token; the draft over the prompt, shifted by one
-  (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
+def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling):
+  """The policy over the prompt and its first token c: (the prompt's taps, the cache capacity,
+  the loop carry's policy-side entries). Both drafting paths start here."""
   B, S = prompt_BS.shape
   capacity = S + N + G + 2
-  rows = jnp.arange(B)
-  last = prompt_lengths_B - 1
   pcache = pol.init_cache(models.pcfg, B, capacity)
   logits_BSV, taps, pcache = pol.prefill(
     models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
   )
   key, sub = jax.random.split(key)
-  _, logp_BV = distribution(logits_BSV[rows, last], *sm)
+  _, logp_BV = distribution(logits_BSV[jnp.arange(B), prompt_lengths_B - 1], *sm)
   c_B = draw(sub, logp_BV, sm.temperature)
-  out_BX = jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B)
-  out_lp_BX = jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B))
   out_len_B = jnp.ones((B,), jnp.int32)
+  carry = {
+    "key": key,
+    "pcache": pcache,
+    "c": c_B,
+    "out": jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B),
+    "out_lp": jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
+    "out_len": out_len_B,
+    "done": (c_B == EOS) | (out_len_B >= N),
+  }
+  return taps, capacity, carry
 
+
+def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling) -> dict:
+  """Policy over the prompt and its first token; the draft over the prompt, shifted by one
+  (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
+  taps, capacity, carry = _policy_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+  B, S = prompt_BS.shape
+  rows = jnp.arange(B)
+  last = prompt_lengths_B - 1
   shifted_BS = jnp.concatenate([prompt_BS[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-  d_tokens_BS = jnp.where(jnp.arange(S)[None] == last[:, None], c_B[:, None], shifted_BS)
+  d_tokens_BS = jnp.where(jnp.arange(S)[None] == last[:, None], carry["c"][:, None], shifted_BS)
   dcache = eagle3.init_cache(models.dcfg, B, capacity)
   d_logits_BSV, d_hidden_BSE, dcache = models.draft_prefill(
     dcache, models.fuse(taps.layers), d_tokens_BS, prompt_lengths_B
   )
   return {
-    "key": key,
-    "pcache": pcache,
+    **carry,
     "dcache": dcache,
-    "c": c_B,
     "q_logits": d_logits_BSV[rows, last],
     "h": d_hidden_BSE[rows, last],
-    "out": out_BX,
-    "out_lp": out_lp_BX,
-    "out_len": out_len_B,
-    "done": (c_B == EOS) | (out_len_B >= N),
     "stats": _initial_stats(G, draft_passes=1),
   }
 
@@ -204,13 +212,13 @@ def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G):
   return out, out_lp, out_len_B, done_B
 
 
-def _count(stats: dict, active_B, a_B, *, G, draft_passes: int | None = None) -> dict:
-  """Adds one round to the decoding statistics (only rows still generating count); a round
-  costs G draft passes (EAGLE-3) unless `draft_passes` says otherwise (a block draft: 1)."""
+def _count(stats: dict, active_B, a_B, *, G, draft_passes: int) -> dict:
+  """Adds one round, which cost `draft_passes` draft passes (EAGLE-3: G; a block draft: 1), to
+  the decoding statistics (only rows still generating count)."""
   st = dict(stats)
   pos = jnp.arange(G)[None]
   st["policy_passes"] += 1
-  st["draft_passes"] += G if draft_passes is None else draft_passes
+  st["draft_passes"] += draft_passes
   st["rounds"] += 1
   st["tau_sum"] += jnp.sum(jnp.where(active_B, a_B + 1, 0))
   st["row_rounds"] += jnp.sum(active_B)
@@ -266,7 +274,7 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     "out_lp": out_lp,
     "out_len": out_len_B,
     "done": done_B,
-    "stats": _count(carry["stats"], active_B, a_B, G=G),
+    "stats": _count(carry["stats"], active_B, a_B, G=G, draft_passes=G),
   }
 
 
@@ -276,32 +284,13 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
 def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling):
   """Policy over the prompt and its first token c; the prompt's taps become the draft's context
   (positions 0 .. P-1, c's block anchored at P). The loop's initial carry."""
-  B, S = prompt_BS.shape
-  capacity = S + N + G + 2
-  rows = jnp.arange(B)
-  pcache = pol.init_cache(models.pcfg, B, capacity)
-  logits_BSV, taps, pcache = pol.prefill(
-    models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
-  )
-  key, sub = jax.random.split(key)
-  _, logp_BV = distribution(logits_BSV[rows, prompt_lengths_B - 1], *sm)
-  c_B = draw(sub, logp_BV, sm.temperature)
-  out_len_B = jnp.ones((B,), jnp.int32)
+  taps, capacity, carry = _policy_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+  B = prompt_BS.shape[0]
   dcache = dflash.init_cache(models.dcfg, B, capacity)
   dcache = dflash.write_context(
     models.dparams, models.dcfg, dcache, taps.layers, jnp.zeros((B,), jnp.int32), prompt_lengths_B
   )
-  return {
-    "key": key,
-    "pcache": pcache,
-    "dcache": dcache,
-    "c": c_B,
-    "out": jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B),
-    "out_lp": jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
-    "out_len": out_len_B,
-    "done": (c_B == EOS) | (out_len_B >= N),
-    "stats": _initial_stats(G, draft_passes=0),
-  }
+  return {**carry, "dcache": dcache, "stats": _initial_stats(G, draft_passes=0)}
 
 
 def _block_tokens(models: _Models, key, h_BWE, c_B, *, G, sm: Sampling):

@@ -196,14 +196,6 @@ def block_inputs(dp: Params, cfg: BlockDraftConfig, embed_table, anchor_tokens):
   return jnp.stack([first] + [rest] * (W - 1), axis=-2)
 
 
-def _rope_rows(x_BSWHD, positions_BSW, theta):
-  B, S, W = x_BSWHD.shape[:3]
-  flat = pol.rope(
-    x_BSWHD.reshape(B, S * W, *x_BSWHD.shape[3:]), positions_BSW.reshape(B, S * W), theta
-  )
-  return flat.reshape(x_BSWHD.shape)
-
-
 def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
   """One layer's keys and values of the context (RoPE at the context positions)."""
   dt = cfg.compute_dtype
@@ -213,21 +205,17 @@ def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
 
 
 def _block_qkv(lp, h_BSWE, positions_BSW, cfg: BlockDraftConfig):
-  dt = cfg.compute_dtype
-  x = pol.rms_norm(h_BSWE, lp["attn_norm"], cfg.norm_eps)
-  q = jnp.einsum("bswe,ehd->bswhd", x, lp["wq"].astype(dt))
-  k = jnp.einsum("bswe,ekd->bswkd", x, lp["wk"].astype(dt))
-  v = jnp.einsum("bswe,ekd->bswkd", x, lp["wv"].astype(dt))
-  rot = lambda a: _rope_rows(a, positions_BSW, cfg.rope_theta)
-  return rot(q), rot(k), v
+  """The policy layer's q, k, v (`policy.qkv`) of every block entry, rows flattened."""
+  B, S, W, E = h_BSWE.shape
+  q, k, v = pol.qkv(lp, h_BSWE.reshape(B, S * W, E), positions_BSW.reshape(B, S * W), cfg)
+  return tuple(a.reshape(B, S, W, *a.shape[2:]) for a in (q, k, v))
 
 
 def _finish(lp, h_BSWE, o_BSWHD, cfg: BlockDraftConfig):
-  dt = cfg.compute_dtype
-  h = h_BSWE + jnp.einsum("bswhd,hde->bswe", o_BSWHD.astype(dt), lp["wo"].astype(dt))
-  z = pol.rms_norm(h, lp["mlp_norm"], cfg.norm_eps)
-  g = jax.nn.silu(z @ lp["w_gate"].astype(dt)) * (z @ lp["w_up"].astype(dt))
-  return h + g @ lp["w_down"].astype(dt)
+  """The policy layer's residual output projection and SwiGLU MLP (`policy.attn_out_and_mlp`)."""
+  B, S, W, E = h_BSWE.shape
+  o = o_BSWHD.reshape(B, S * W, *o_BSWHD.shape[3:])
+  return pol.attn_out_and_mlp(lp, h_BSWE.reshape(B, S * W, E), o, cfg).reshape(h_BSWE.shape)
 
 
 def block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, *, attend):
@@ -252,8 +240,7 @@ def attend_dense(segment_ids_BS, *, impl: str = "dense", mesh=None, cp_axis: str
   oracle; the context has no queries of its own, so the trunk rows are zeros and unused)."""
 
   def attend(k_ctx, v_ctx, q_br, k_br, v_br):
-    B, S, _, H, D = q_br.shape
-    q0 = jnp.zeros((B, S, H, D), q_br.dtype)
+    q0 = jnp.zeros_like(q_br[:, :, 0])
     return branch_attention(
       q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS, branch="block", impl=impl, mesh=mesh,
       cp_axis=cp_axis,

@@ -17,10 +17,6 @@ KINDS = ("eagle3",) + dflash.KINDS
 DraftConfig = eagle3.DraftConfig | dflash.BlockDraftConfig
 
 
-def kind_of(dcfg) -> str:
-  return dcfg.kind if isinstance(dcfg, dflash.BlockDraftConfig) else "eagle3"
-
-
 def is_block(dcfg) -> bool:
   return isinstance(dcfg, dflash.BlockDraftConfig)
 
@@ -42,24 +38,24 @@ def init_params(dcfg, seed: int, policy_params=None, pcfg=None):
 
 
 def loss_on_shard(
-  dp, dcfg, theta, pcfg, taps_NBSE, policy_BSX, batch, *, shift, ttt_attend, block_attend, total,
+  dp, dcfg, theta, pcfg, taps_NBSE, policy_BSX, batch, *, shift, attend, total,
   policy_logits_of, vocab_chunk: int,
 ):  # fmt: skip
   """The draft's loss on one shard from global sums: EAGLE-3's TTT loss or the block loss.
 
-  `ttt_attend` / `block_attend` are the shard's attention for each kind (`train/sequence.py`)."""
+  `attend` is the shard's attention for the draft's kind (`Shards.branch` or
+  `Shards.block_branch`, train/sequence.py)."""
   args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
   common = dict(
-    shift=shift, total=total, policy_logits_of=policy_logits_of, vocab_chunk=vocab_chunk
-  )
+    shift=shift, attend=attend, total=total, policy_logits_of=policy_logits_of,
+    vocab_chunk=vocab_chunk,
+  )  # fmt: skip
   if is_block(dcfg):
     head_w = pol.head_weight(theta, pcfg)
     return dflash.block_loss_on_shard(
-      dp, dcfg, theta["embed"], head_w, taps_NBSE, policy_BSX, *args, attend=block_attend, **common
+      dp, dcfg, theta["embed"], head_w, taps_NBSE, policy_BSX, *args, **common
     )
-  return eagle3.ttt_loss_on_shard(
-    dp, dcfg, theta["embed"], taps_NBSE, policy_BSX, *args, attend=ttt_attend, **common
-  )
+  return eagle3.ttt_loss_on_shard(dp, dcfg, theta["embed"], taps_NBSE, policy_BSX, *args, **common)
 
 
 def natural_loss(
