@@ -7,8 +7,10 @@ The default run's setting (configs/default.py: a 12-layer policy, a one-layer dr
 steps): SFT data mixes two answer formats (95% "columns", 5% "semicolon": same work, other
 separators) with a freely varying scratchpad (spaces: about 0.35 nats per answer token); the RL reward pays
 only for correct answers in the rare format, so the policy's output distribution moves. From one
-SFT policy and one distilled draft, three arms run RL: A (autoregressive rollouts), B (SD with
-the fixed draft), C (SD with the co-trained draft), each over 5 seeds by default.
+SFT policy and one distilled EAGLE-3 draft, three arms run RL: A (autoregressive rollouts), B (SD
+with the fixed draft), C (SD with the co-trained draft); a fourth, D, rolls out with and co-trains
+a DFlash draft distilled from the same SFT policy (arm "cotrained_dflash"). Each arm runs 5 seeds
+by default, with G = decode.num_draft = 3 proposals a round (make run's).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)
     c.sft.steps, c.eval.every, c.draft.pretrain_steps = 800, 400, 160
-    c.decode.num_draft = 5  # its committed results' G (make run's default is now 3)
-  c.drift = dict(arms=("none", "fixed", "cotrained"), seeds=1 if arg.smoke else arg.seeds)
+  c.drift = dict(
+    arms=("none", "fixed", "cotrained", "cotrained_dflash"), seeds=1 if arg.smoke else arg.seeds
+  )
   # Reward threshold for "wall-clock to reach it": the trailing mean over threshold_window steps.
   c.drift.reward_threshold, c.drift.threshold_window = 0.4, 3
   # Fixed before the run (copied into results.json with pass/fail). Windows are the first and
@@ -57,6 +60,12 @@ def get_config(arg: str | None = None):
       op=">=",
       target=0.95,
       what="C (co-trained draft): tau at the end / tau at the start",
+    ),
+    dflash_tau_kept=dict(
+      metric="arms.cotrained_dflash.tau_last_over_first",
+      op=">=",
+      target=0.95,
+      what="D (co-trained DFlash): tau at the end / tau at the start",
     ),
     fixed_tau_fell=dict(
       metric="arms.fixed.tau_last_over_first",

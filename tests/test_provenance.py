@@ -121,13 +121,21 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
     rewards = [0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.7, 0.7]  # trailing mean of 3 >= 0.5 from step 6
     runs[("none", s)] = [rec(r + 0.02 * s, 2.0, 1.0) for r in rewards]
     runs[("cotrained", s)] = [rec(r + 0.01 * s, 1.0, 1.5, tau=3.0) for r in rewards]
+    runs[("cotrained_dflash", s)] = [
+      rec(r, 0.5, 2.0, tau=2.0 - 0.1 * i) for i, r in enumerate(rewards)
+    ]
     runs[("none", s)][0]["rollout_seconds"] = 60.0  # compiles
     runs[("cotrained", s)][0]["train_seconds"] = 60.0
   config = ml_collections.ConfigDict(
     dict(
       rl=dict(steps=steps),
       task=dict(arithmetic=dict(reward_format="semicolon")),
-      drift=dict(arms=("none", "cotrained"), seeds=seeds, reward_threshold=0.5, threshold_window=3),
+      drift=dict(
+        arms=("none", "cotrained", "cotrained_dflash"),
+        seeds=seeds,
+        reward_threshold=0.5,
+        threshold_window=3,
+      ),
     )
   )
   out = drift.summarise(runs, config)
@@ -142,6 +150,10 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   assert sp["step_ratio_C_over_A"] == pytest.approx(2.5 / 3.0)
   assert sp["predicted_step_ratio"] == pytest.approx((1 / 3) * 1.5 + (2 / 3) / 2.0)
   assert c["tau_last_over_first"] == 1.0 and a["rollout_s_last_over_first"] == 1.0
+  # D (a co-trained DFlash arm): every SD arm's speed over A, and its tau over windows of 1 step
+  assert out["speed_over_A"]["cotrained_dflash"] == dict(rollout_speedup=4.0, step_ratio=2.5 / 3)
+  assert out["speed_over_A"]["cotrained"]["rollout_speedup"] == 2.0
+  assert out["arms"]["cotrained_dflash"]["tau_last_over_first"] == pytest.approx(1.3 / 2.0)
   d = out["reward_C_minus_A"]
   assert d["diff"] == pytest.approx(-0.005) and 0 < d["welch_p"] <= 1
   assert d["ci95_abs_max"] == pytest.approx(max(abs(x) for x in d["ci95"]))
@@ -152,6 +164,18 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   text = readme.drift(out, "docs/results/drift")
   assert "rollouts 2.00× faster" in text and "r = 0.67" in text and "Welch test p" in text
   assert "| A: AR rollouts | 2.00 | 1.00 | 3.00 | 67% |" in text
+  assert "| D: SD, co-trained DFlash |" in text
+
+
+def test_drift_arms_name_a_rollout_draft_and_optionally_a_draft_kind():
+  from specdraft.bench import drift
+
+  assert drift.parse_arm("cotrained", "eagle3") == ("cotrained", "eagle3")
+  assert drift.parse_arm("cotrained_dflash", "eagle3") == ("cotrained", "dflash")
+  assert drift.parse_arm("fixed_dspark", "eagle3") == ("fixed", "dspark")
+  for bad in ("cotrained_medusa", "sd", "none_dflash"):
+    with pytest.raises(ValueError, match=r"config\.drift\.arms has '" + bad):
+      drift.parse_arm(bad, "eagle3")
 
 
 def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):

@@ -10,23 +10,47 @@ import jax
 import numpy as np
 from scipy import stats
 
+from specdraft import config as config_lib
 from specdraft.bench import provenance
+from specdraft.bench.readme import ARM_NAMES
 from specdraft.decode import speculative
 from specdraft.decode.compare import decoding_figures
+from specdraft.model import drafts
 from specdraft.train import loop
 from specdraft.train.evaluate import held_out_prompts
 
-ARM_NAMES = {
-  "none": "A: AR rollouts",
-  "fixed": "B: SD, fixed draft",
-  "cotrained": "C: SD, co-trained draft",
-}
+
+def parse_arm(arm: str, default_kind: str) -> tuple[str, str]:
+  """An arm is `<rollout.draft>` (the config's draft.kind) or `<rollout.draft>_<draft.kind>`:
+  "cotrained_dflash" rolls out with, and co-trains, a DFlash draft distilled from the same SFT
+  policy. Returns (rollout.draft, draft.kind); a bad name raises naming the field."""
+  draft, _, kind = arm.partition("_")
+  kind = kind or default_kind
+  if (
+    draft not in config_lib.ROLLOUT_DRAFTS
+    or kind not in drafts.KINDS
+    or (draft == "none" and "_" in arm)
+  ):
+    raise ValueError(
+      f"config.drift.arms has {arm!r}: expected <rollout.draft> or <rollout.draft>_<draft.kind> "
+      f"with rollout.draft in {config_lib.ROLLOUT_DRAFTS} (none takes no kind) and draft.kind in {drafts.KINDS}"
+    )
+  return draft, kind
+
+
+def _arm_config(config, arm: str):
+  draft, kind = parse_arm(arm, config.draft.kind)
+  c = copy.deepcopy(config)
+  c.rollout.draft, c.draft.kind = draft, kind
+  return c
 
 
 def run(config, workdir: str, run_dir: str | None = None) -> dict:
   """Results (results.json, plots) go to `workdir`; the arms' runs (checkpoints, logs) to
   `run_dir`, by default workdir/runs, or runs/<name> when workdir is under docs/results."""
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
+  for arm in config.drift.arms:  # bad arm names fail before any work
+    config_lib.validate(_arm_config(config, arm))
   run_dir = run_dir or provenance.run_dir_for(workdir, "runs")
   base_cfg = copy.deepcopy(config)
   base_cfg.rl.steps = 0
@@ -34,27 +58,44 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   loop.train_and_evaluate(base_cfg, base_dir)  # SFT + draft distillation, shared by every arm
   base = loop.Context(base_cfg, base_dir)
   params, _ = loop.sft_phase(base)
-  dparams, _ = loop.draft_phase(base, params)
-  tau_start = tau_by_temperature(base, params, dparams)
+  # One distilled draft per kind the arms use, each from the same SFT policy.
+  dparams_by_kind = {config.draft.kind: loop.draft_phase(base, params)[0]}
+  tau_start_by_kind = {
+    config.draft.kind: tau_by_temperature(base, params, dparams_by_kind[config.draft.kind])
+  }
+  for arm in config.drift.arms:
+    kind = parse_arm(arm, config.draft.kind)[1]
+    if kind not in dparams_by_kind:
+      kc = _arm_config(base_cfg, arm)
+      kctx = loop.Context(kc, os.path.join(run_dir, f"base_{kind}"))
+      dparams_by_kind[kind] = loop.draft_phase(kctx, params)[0]
+      tau_start_by_kind[kind] = tau_by_temperature(kctx, params, dparams_by_kind[kind])
 
   runs, tau_end = {}, {}
   for arm in config.drift.arms:
+    draft_mode, kind = parse_arm(arm, config.draft.kind)
+    dparams = dparams_by_kind[kind]
     for seed in range(config.drift.seeds):
-      c = copy.deepcopy(config)
-      c.rollout.draft = arm
+      c = _arm_config(config, arm)
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
       ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
       state, _ = loop.rl_phase(ctx, params, dparams)
       runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
-      if arm != "none":  # the draft the arm rolls out with at its end, against its policy
+      if draft_mode != "none":  # the draft the arm rolls out with at its end, against its policy
         final = state["params"]
-        draft = final["draft"] if arm == "cotrained" else dparams
+        draft = final["draft"] if draft_mode == "cotrained" else dparams
         tau_end[(arm, seed)] = tau_by_temperature(ctx, final["policy"], draft)
       print(
-        f"{ARM_NAMES[arm]}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
+        f"{ARM_NAMES.get(arm, arm)}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
         flush=True,
       )
-  summary = summarise(runs, config, tau_start=tau_start, tau_end=tau_end)
+  summary = summarise(
+    runs,
+    config,
+    tau_start=tau_start_by_kind[config.draft.kind],
+    tau_end=tau_end,
+    tau_start_by_kind=tau_start_by_kind,
+  )
   summary = provenance.write_results(
     workdir, summary, goals=provenance.goals_from_config(config.drift.goals)
   )
@@ -197,15 +238,19 @@ def _arm_summary(runs, config, arm, k) -> dict:
   return a
 
 
-def summarise(runs, config, *, tau_start=None, tau_end=None) -> dict:
+def summarise(runs, config, *, tau_start=None, tau_end=None, tau_start_by_kind=None) -> dict:
   """Per arm: first/last-window means over seeds (window = steps // 8); the last-window reward
   and tau ratio with seed statistics (sample std, 95% t-interval); seconds per step split into
   rollout and training; time to the reward threshold; tau at T = 1 and T = 0 at the start and
   end. Between arms: C - A reward (Welch), and C's speed against A's with the AR rollout share r
-  and the co-training overhead c, so the step ratio can be checked against (1 - r) c + r / s."""
+  and the co-training overhead c, so the step ratio can be checked against (1 - r) c + r / s.
+  Every SD arm's rollout speedup and step ratio over A are in `speed_over_A`; `tau_start` is the
+  config's draft kind's, `tau_start_by_kind` every kind's the arms use."""
   seeds, steps = config.drift.seeds, config.rl.steps
   k = max(1, steps // 8)
   out = {"steps": steps, "seeds": seeds, "window": k, "arms": {}, "tau_start": tau_start}
+  if tau_start_by_kind:
+    out["tau_start_by_kind"] = tau_start_by_kind
   for arm in config.drift.arms:
     out["arms"][arm] = _arm_summary(runs, config, arm, k)
     if arm != "none" and tau_end:
@@ -228,6 +273,16 @@ def summarise(runs, config, *, tau_start=None, tau_end=None) -> dict:
       "ar_rollout_share": r,
       "cotrain_overhead": overhead,
       "predicted_step_ratio": (1 - r) * overhead + r / speedup,
+    }
+  if "none" in arms:
+    a = arms["none"]["seconds"]
+    out["speed_over_A"] = {
+      arm: {
+        "rollout_speedup": a["rollout_s"] / arms[arm]["seconds"]["rollout_s"],
+        "step_ratio": arms[arm]["seconds"]["step_s"] / a["step_s"],
+      }
+      for arm in arms
+      if arm != "none"
     }
   return out
 
@@ -252,7 +307,7 @@ def plot(runs, config, pdir):
       x = np.arange(1, y.shape[1] + 1)
       if key == "rollout_seconds":  # step 1 compiles
         x, y = x[1:], y[:, 1:]
-      ax.plot(x, y.mean(0), label=ARM_NAMES[arm])
+      ax.plot(x, y.mean(0), label=ARM_NAMES.get(arm, arm))
       if seeds > 1:
         half = stats.t.ppf(0.975, seeds - 1) * y.std(0, ddof=1) / np.sqrt(seeds)
         ax.fill_between(x, y.mean(0) - half, y.mean(0) + half, alpha=0.2)

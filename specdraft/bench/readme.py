@@ -422,10 +422,15 @@ def tap(r: dict) -> str:
   return head + "\n\n" + table + "\n\n" + overhead
 
 
+# The drift experiment's arms (bench/drift.py: `<rollout.draft>` or `<rollout.draft>_<kind>`).
 ARM_NAMES = {
   "none": "A: AR rollouts",
   "fixed": "B: SD, fixed draft",
   "cotrained": "C: SD, co-trained draft",
+  "cotrained_dflash": "D: SD, co-trained DFlash",
+  "cotrained_dspark": "E: SD, co-trained DSpark",
+  "fixed_dflash": "SD, fixed DFlash",
+  "fixed_dspark": "SD, fixed DSpark",
 }
 
 
@@ -523,12 +528,24 @@ def _drift_timing(r: dict) -> str:
   )
   sp = r["speed"]
   start_txt = ", ".join(f"{t}: {_f(v)}" for t, v in start.items())
+  by_kind = r.get("tau_start_by_kind") or {}
+  if len(by_kind) > 1:  # arms with another draft kind start from their own distilled draft
+    start_txt = "; ".join(
+      f"{kind}: " + ", ".join(f"{t}: {_f(v)}" for t, v in taus.items())
+      for kind, taus in by_kind.items()
+    )
+  others = {a: v for a, v in (r.get("speed_over_A") or {}).items() if a not in ("cotrained",)}
+  others_txt = "".join(
+    f" {ARM_NAMES.get(a, a)} against A: rollouts {_f(v['rollout_speedup'])}× faster, whole RL "
+    f"step {_f(v['step_ratio'])}× A's."
+    for a, v in others.items()
+  )
   return (
     f"{table}\n\nC against A: rollouts {_f(sp['rollout_speedup_C_over_A'])}× faster, whole RL step "
     f"{_f(sp['step_ratio_C_over_A'])}× A's; with A's rollout share r = "
     f"{_f(sp['ar_rollout_share'])} and co-training overhead c = {_f(sp['cotrain_overhead'])} "
     f"(C's training / A's), (1 − r)·c + r/speedup = {_f(sp['predicted_step_ratio'])}. "
-    f"τ of the SFT policy with the distilled draft, before RL: {start_txt or 'n/a'}. "
+    f"τ of the SFT policy with the distilled draft, before RL: {start_txt or 'n/a'}.{others_txt} "
     "Seconds are medians over steps and seeds, step 1 (compilation) left out."
   )
 
