@@ -16,14 +16,18 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, num_draft=3)
+  """`:markov` (with or without smoke): DFlash, DSpark and DSpark without its Markov head
+  ("dspark:markov_rank=0"), the ablation that says whether the head raises tau."""
+  arg = parse_arg(arg, smoke=False, num_draft=3, markov=False)
   c = bench_rollout.get_config("smoke" if arg.smoke else None)
   G = arg.num_draft
   c.decode.num_draft = G
   c.draft.ttt_steps = G  # EAGLE-3 trains as many TTT steps as it proposes
   c.draft.block.block_size = 0  # each block draft's block proposes G tokens
   c.bench = dict(
-    kinds=("eagle3", "dflash", "dspark"),
+    kinds=("dflash", "dspark", "dspark:markov_rank=0")
+    if arg.markov
+    else ("eagle3", "dflash", "dspark"),
     batch_sizes=(1, 4) if arg.smoke else (1, 8, 32, 128),
     num_draft=G,
     temperature=1.0,
@@ -57,4 +61,12 @@ def get_config(arg: str | None = None):
       what="greedy SD == greedy AR on every row, for every draft and batch size",
     ),
   )
+  if arg.markov:  # fixed before the run, like the goals above
+    del c.bench.goals["dflash_tau"], c.bench.goals["dflash_speedup"]
+    c.bench.goals["markov_head_isolated"] = dict(
+      metric="all_batches.dspark_over_no_markov_tau",
+      op=">",
+      target=1.0,
+      what="DSpark tau / DSpark-without-its-Markov-head tau (same backbone, same proposals)",
+    )
   return c

@@ -120,7 +120,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       cotrain_lr=1e-3,
       # DFlash / DSpark (model/dflash.py): draft layers, block size W (dflash proposes W - 1
       # tokens a round, dspark W; 0: the block that proposes decode.num_draft), loss decay
-      # exp(-k / gamma) over the proposals, DSpark's Markov head rank and its L1 term's weight.
+      # exp(-k / gamma) over the proposals, DSpark's Markov head rank (0: no Markov head, the
+      # ablation) and its L1 term's weight.
       block=dict(n_layers=1, block_size=0, gamma=4.0, markov_rank=16, l1_weight=0.0),
     )
   )  # the draft's branch attention follows the layout: the ring over parallel.mesh.cp

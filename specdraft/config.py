@@ -166,8 +166,12 @@ def _validate_block_draft(config) -> None:
   if bl.gamma <= 0:
     _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
   if config.draft.kind == "dspark":
-    if bl.markov_rank < 1:
-      _fail("draft.block.markov_rank", bl.markov_rank, "must be >= 1")
+    if bl.markov_rank < 0:
+      _fail(
+        "draft.block.markov_rank",
+        bl.markov_rank,
+        "must be >= 1 (the Markov head's rank), or 0 (DSpark without its Markov head)",
+      )
     if bl.l1_weight < 0:
       _fail("draft.block.l1_weight", bl.l1_weight, "must be >= 0")
   proposals = bl.block_size - 1 if config.draft.kind == "dflash" else bl.block_size

@@ -273,7 +273,7 @@ def test_block_pass_at_inference_equals_the_training_block(setup):
       )
 
 
-def _decode_setup(kind):
+def _decode_models(kind):
   """A spread-out policy and a block draft whose proposals are accepted often but not always."""
   V = 6
   pcfg = pol.PolicyConfig(
@@ -289,6 +289,11 @@ def _decode_setup(kind):
   dparams = dflash.init_params(dcfg, 5, params, pcfg)
   if kind == "dspark":
     dparams["markov_out"] = 0.5 * jax.random.normal(jax.random.key(6), dparams["markov_out"].shape)
+  return pcfg, dcfg, params, dparams
+
+
+def _decode_setup(kind):
+  pcfg, dcfg, params, dparams = _decode_models(kind)
   B = 12_000
   prompts = jnp.broadcast_to(jnp.array([1, 4, 5], jnp.int32), (B, 3))
   lengths = jnp.full((B,), 3, jnp.int32)
@@ -341,6 +346,42 @@ def test_block_sd_refuses_more_proposals_than_the_block_holds(decode_setup):
   dcfg = decode_setup[1]
   with pytest.raises(ValueError, match=rf"num_draft={dcfg.num_proposals + 1}.*at most"):
     _sd(decode_setup, jax.random.key(0), num_draft=dcfg.num_proposals + 1)
+
+
+def test_dspark_without_its_markov_head_is_the_zero_head():
+  """markov_rank = 0 (the ablation) drops the Markov parameters; with the same backbone it equals
+  DSpark whose head is zero: the loss in value and in the shared parameters' gradients, and SD
+  rollouts token for token (the parallel proposal path against the serial Markov walk)."""
+  import dataclasses
+
+  pcfg, dcfg, params, dparams = _decode_models("dspark")
+  zero = dict(dparams, markov_out=jnp.zeros_like(dparams["markov_out"]))
+  dcfg0 = dataclasses.replace(dcfg, markov_rank=0)
+  assert dcfg0.kind == "dspark" and not dcfg0.has_markov and dcfg.has_markov
+  bare = dflash.init_params(dcfg0, 5, params, pcfg)
+  assert set(bare) == set(dparams) - {"markov_in", "markov_out"}
+  bare = {k: dparams[k] for k in bare}  # the same backbone
+  prompts = jnp.broadcast_to(jnp.array([1, 4, 5], jnp.int32), (64, 3))
+  lengths = jnp.full((64,), 3, jnp.int32)
+  kw = dict(max_new_tokens=4, temperature=1.0, num_draft=2)
+  gen = lambda dp, cfg: speculative.generate(
+    params, dp, pcfg, cfg, prompts, lengths, jax.random.key(4), **kw
+  )
+  a, b = gen(zero, dcfg), gen(bare, dcfg0)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  st = jax.device_get(a.stats)
+  assert 0 < st["accept_counts"][0] < st["reach_counts"][0]  # accepts and rejects both happen
+
+  nat = {k: jnp.asarray(v) for k, v in _batch(V=pcfg.vocab_size).items()}
+  logits, taps = pol.forward(
+    params, pcfg, nat["tokens"], nat["positions"], nat["segment_ids"], attention="dense"
+  )
+  loss = lambda dp, cfg: drafts.natural_loss(dp, cfg, params, pcfg, taps.layers, logits, nat)[0]
+
+  (la, ga), (lb, gb) = (jax.value_and_grad(loss)(zero, dcfg), jax.value_and_grad(loss)(bare, dcfg0))
+  np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
+  tol.assert_grads_close({k: ga[k] for k in gb}, gb, rtol=1e-5)
 
 
 @pytest.mark.slow  # two smoke runs (~3 min); `make test-slow` (and CI) run it
@@ -428,3 +469,29 @@ def test_cotrain_step_on_the_last_pipeline_stage_equals_single_device():
   for k in ("draft_loss", "ttt_acc_0", "ttt_acc_1", "ttt_acc_2"):
     np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
   tol.assert_grads_close(g2, g1, rtol=1e-5, err="pp2_cp2_dp2 ")
+
+
+def test_benchmark_entries_name_a_kind_and_optional_block_overrides():
+  """configs/bench_drafts.py:markov compares DSpark with and without its Markov head; an entry is
+  a kind with draft.block overrides, and a bad one fails naming it."""
+  from configs import bench_drafts
+  from specdraft.bench import drafts as bench
+
+  c = bench_drafts.get_config("markov,smoke")
+  assert bench.NO_MARKOV in c.bench.kinds and "markov_head_isolated" in c.bench.goals
+  block = c.draft.block
+  assert bench.parse_variant("dspark:markov_rank=0", block) == ("dspark", {"markov_rank": 0})
+  assert bench.parse_variant("dflash:gamma=7,n_layers=2", block) == (
+    "dflash",
+    {"gamma": 7.0, "n_layers": 2},
+  )
+  assert bench.parse_variant("eagle3", block) == ("eagle3", {})
+  for bad in ("medusa", "eagle3:gamma=2", "dspark:rank=0", "dspark:markov_rank"):
+    with pytest.raises(ValueError, match="config.bench.kinds has"):
+      bench.parse_variant(bad, block)
+  rows = [
+    {"by_draft": {k: {"tau": t, "greedy_equal": True, "speedup": 1.0} for k, t in taus.items()}}
+    for taus in ({"dspark": 3.0, bench.NO_MARKOV: 2.0}, {"dspark": 2.0, bench.NO_MARKOV: 2.0})
+  ]
+  out = bench.over_batches(rows, ["dspark", bench.NO_MARKOV])
+  assert out["dspark_over_no_markov_tau"] == pytest.approx(2.5 / 2.0)

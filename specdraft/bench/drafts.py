@@ -14,8 +14,33 @@ import os
 
 from specdraft.bench import provenance
 from specdraft.decode.compare import compare_drafts
+from specdraft.model.drafts import KINDS
 from specdraft.tasks import loader
 from specdraft.train import loop
+
+NO_MARKOV = "dspark:markov_rank=0"  # the ablation: DSpark's backbone without its Markov head
+
+
+def parse_variant(name: str, block_fields) -> tuple[str, dict]:
+  """A benchmark entry is a draft kind, or a kind with `draft.block` overrides:
+  "dspark:markov_rank=0" (DSpark without its Markov head). Returns (kind, overrides); a bad
+  entry raises naming it and what is valid."""
+  kind, _, rest = name.partition(":")
+  over = {}
+  for item in filter(None, rest.split(",")):
+    field, eq, value = item.partition("=")
+    if not eq or field not in block_fields:
+      raise ValueError(
+        f"config.bench.kinds has {name!r}: overrides are <draft.block field>=<number>, fields "
+        f"{sorted(block_fields)}"
+      )
+    over[field] = type(block_fields[field])(float(value))
+  if kind not in KINDS or (over and kind == "eagle3"):
+    raise ValueError(
+      f"config.bench.kinds has {name!r}: expected a draft kind in {KINDS}, optionally with "
+      "draft.block overrides for a block draft (e.g. 'dspark:markov_rank=0')"
+    )
+  return kind, over
 
 
 def run(config, workdir: str, run_dir: str | None = None) -> dict:
@@ -28,11 +53,13 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   base_cfg.draft.pretrain_steps, base_cfg.rl.steps = 0, 0
   base = loop.Context(base_cfg, os.path.join(run_dir, "sft"))
   params, _ = loop.sft_phase(base)
+  variants = {name: parse_variant(name, config.draft.block) for name in b.kinds}
   drafts, training = {}, {}
-  for kind in b.kinds:
+  for kind, (draft_kind, over) in variants.items():  # `kind`: the entry's name
     c = copy.deepcopy(config)
-    c.draft.kind = kind
-    ctx = loop.Context(c, os.path.join(run_dir, kind))
+    c.draft.kind = draft_kind
+    c.draft.block.update(over)
+    ctx = loop.Context(c, os.path.join(run_dir, kind.replace(":", "_").replace("=", "")))
     dparams, _ = loop.draft_phase(ctx, params)
     drafts[kind] = (dparams, ctx.dcfg)
     last = ctx.log("draft_metrics.jsonl").read()[-1]
@@ -102,6 +129,8 @@ def over_batches(rows: list[dict], kinds) -> dict:
     )
   if "dspark" in kinds and "dflash" in kinds:
     out["dspark_over_dflash_tau"] = out["dspark"]["tau_mean"] / out["dflash"]["tau_mean"]
+  if "dspark" in kinds and NO_MARKOV in kinds:  # the Markov head's own effect
+    out["dspark_over_no_markov_tau"] = out["dspark"]["tau_mean"] / out[NO_MARKOV]["tau_mean"]
   out["greedy_equal"] = all(out[k]["greedy_equal"] for k in kinds)
   return out
 

@@ -297,12 +297,13 @@ def _block_tokens(models: _Models, key, h_BWE, c_B, *, G, sm: Sampling):
   """G proposals from one block pass: DFlash samples every slot from its own distribution
   (they do not depend on each other); DSpark walks the block left to right, each slot's logits
   shifted by the Markov term of the token sampled before it (c for the first). Returns the
-  tokens [B, G] and the probabilities they were sampled from [B, G, V]."""
+  tokens [B, G] and the probabilities they were sampled from [B, G, V]. (DSpark without its
+  Markov head, markov_rank = 0, samples its slots in parallel like DFlash.)"""
   dp, dcfg = models.dparams, models.dcfg
   w = models.head_weight()
   first = dcfg.first_slot
   keys = jax.random.split(key, G)
-  if dcfg.kind == "dflash":
+  if not dcfg.has_markov:
     logits_BGV = dflash.slot_logits(dp, dcfg, w, h_BWE[:, first : first + G])
     q_BGV, logq_BGV = distribution(logits_BGV, *sm)
     tokens = [draw(keys[g], logq_BGV[:, g], sm.temperature) for g in range(G)]

@@ -80,6 +80,12 @@ class BlockDraftConfig:
     return self.block_size - 1 if self.kind == "dflash" else self.block_size
 
   @property
+  def has_markov(self) -> bool:
+    """DSpark with markov_rank > 0 (markov_rank 0: DSpark without its Markov head, the ablation
+    that isolates what the head adds to the all-slots-supervised backbone)."""
+    return self.kind == "dspark" and self.markov_rank > 0
+
+  @property
   def first_slot(self) -> int:
     """The first supervised slot; slot i (>= first_slot) predicts x_{t + i + 1 - first_slot}."""
     return 1 if self.kind == "dflash" else 0
@@ -156,7 +162,7 @@ class BlockDraft(nnx.Module):
     self.mask_embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (E,)))
     self.layers = _Layers(cfg, rngs=rngs)
     self.final_norm = nnx.Param(jnp.ones((E,)))
-    if cfg.kind == "dspark":
+    if cfg.has_markov:
       R = cfg.markov_rank
       self.markov_in = nnx.Param(
         nnx.initializers.normal(R**-0.5)(rngs.params(), (cfg.vocab_size, R))
@@ -257,11 +263,12 @@ def markov_bias(dp, prev_tokens):
 
 def slot_logits(dp, cfg: BlockDraftConfig, head_w_EV, h_E, prev_tokens=None):
   """Logits of block slots from their hidden states (any leading axes) through the policy's
-  (stop-gradient) head; dspark adds the Markov term of each slot's previous token."""
+  (stop-gradient) head; dspark adds the Markov term of each slot's previous token (when it has
+  the head: markov_rank > 0)."""
   z = pol.rms_norm(h_E, dp["final_norm"], cfg.norm_eps)
   w = jax.lax.stop_gradient(head_w_EV)
   out = jnp.einsum("...e,ev->...v", z, w.astype(z.dtype)).astype(jnp.float32)
-  if cfg.kind == "dspark":
+  if cfg.has_markov:
     out = out + markov_bias(dp, prev_tokens)
   return out
 
