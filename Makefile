@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.py
 RUN_NAME ?= default
 export XLA_PYTHON_CLIENT_PREALLOCATE := false
+# The suites run on TEST_WORKERS pytest-xdist processes, a test file per process (its module
+# fixtures are built once); `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: run test test-slow test-all notebooks lint format clean venv
 
@@ -23,13 +27,13 @@ run: $(STAMP)
 # The everyday suite; tests marked slow (a killed-and-resumed run, a trained tiny policy) run in
 # `make test-slow`, and CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not slow" --durations=10
+	$(BIN)/python -m pytest tests -m "not slow" $(XDIST) --durations=15
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest tests -m slow --durations=10
+	$(BIN)/python -m pytest tests -m slow $(XDIST) --durations=15
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest tests --durations=10
+	$(BIN)/python -m pytest tests $(XDIST) --durations=15
 
 # Executes every notebook under notebooks/ (part of `make test` too).
 notebooks: $(STAMP)
