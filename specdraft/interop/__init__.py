@@ -1,0 +1,1 @@
+"""Checkpoints in and out of other formats (Hugging Face)."""

@@ -1,0 +1,265 @@
+"""Hugging Face checkpoints in: a Llama-family directory (config.json, *.safetensors, possibly
+sharded with model.safetensors.index.json) becomes a `PolicyConfig` and policy parameters.
+
+  pcfg, params = hf.load_policy("path/to/checkpoint")                       # host arrays
+  pcfg, params = hf.load_policy(path, shardings=state_shardings["policy"])  # placed as they load
+
+The safetensors files are read by this module (an 8-byte header length, a JSON header, raw
+little-endian tensors), memory-mapped: nothing needs torch, and with `shardings` every device's
+shard is cut from the mapped file by `jax.make_array_from_callback`, so no device's copy of the
+whole model passes through host memory at once (one decoder layer's tensor at a time).
+
+Conventions, checked against `transformers` by tests/test_interop.py:
+- HF Linear weights are [out, in]; the policy's are [in, out] with heads split out: q_proj
+  [H*D, E] -> wq [E, H, D], o_proj [E, H*D] -> wo [H, D, E], gate/up [F, E] -> [E, F], down
+  [E, F] -> [F, E]; decoder layers are stacked on a leading layer axis.
+- RoPE: HF Llama rotates halves (`rotate_half`), the policy's convention (policy.rope), so q and
+  k need no permutation; theta from `rope_theta`. RoPE scaling is not implemented and refused.
+- RMSNorm: y = w * x / sqrt(mean(x^2) + eps) in float32, eps from `rms_norm_eps`.
+- `tie_word_embeddings`: a tied model has no lm_head tensor (the head is embed^T).
+Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) need parameters the policy does not have yet;
+they are refused with what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdraft.model import policy as pol
+
+SUPPORTED = {"LlamaForCausalLM": "llama"}
+# Architectures a user is likely to bring, and what the policy lacks for them.
+NOT_YET = {
+  "Qwen2ForCausalLM": "q/k/v projection biases",
+  "Qwen3ForCausalLM": "per-head q/k RMSNorm",
+  "MistralForCausalLM": "sliding-window attention",
+}
+
+_DTYPES = {
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": jnp.bfloat16,
+  "F64": np.float64,
+  "I64": np.int64,
+  "I32": np.int32,
+}
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) != 8:
+      raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    n = int.from_bytes(raw, "little")
+    header = json.loads(f.read(n))
+  header.pop("__metadata__", None)
+  return header, 8 + n
+
+
+class SafetensorsDir:
+  """The tensors of a checkpoint directory by name, memory-mapped on first use."""
+
+  def __init__(self, path: str):
+    self.path = path
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+      files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+      raise FileNotFoundError(f"{path}: no *.safetensors file (and no index naming one)")
+    self._where: dict[str, tuple[str, dict, int]] = {}
+    for name in files:
+      fp = os.path.join(path, name)
+      header, offset = _read_header(fp)
+      for key, info in header.items():
+        self._where[key] = (fp, info, offset)
+    self._maps: dict[str, np.memmap] = {}
+
+  def keys(self):
+    return self._where.keys()
+
+  def __contains__(self, key: str) -> bool:
+    return key in self._where
+
+  def get(self, key: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The tensor `key` (a read-only view of the mapped file); `shape`, when given, is checked."""
+    if key not in self._where:
+      raise KeyError(
+        f"{self.path}: tensor {key!r} is missing" + (f" (expected shape {shape})" if shape else "")
+      )
+    fp, info, offset = self._where[key]
+    if info["dtype"] not in _DTYPES:
+      raise ValueError(
+        f"{fp}: tensor {key!r} has dtype {info['dtype']}, not one of {sorted(_DTYPES)}"
+      )
+    if fp not in self._maps:
+      self._maps[fp] = np.memmap(fp, dtype=np.uint8, mode="r")
+    start, stop = info["data_offsets"]
+    buf = self._maps[fp][offset + start : offset + stop]
+    arr = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+      raise ValueError(
+        f"{self.path}: tensor {key!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}"
+      )
+    return arr
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def read_config(path: str, **overrides) -> pol.PolicyConfig:
+  """The policy config of a checkpoint's config.json (`overrides`: PolicyConfig fields the file
+  does not decide, such as `tap_layers` or `dtype`). Unsupported architectures and features
+  raise naming the field and what is supported."""
+  with open(os.path.join(path, "config.json")) as f:
+    hc = json.load(f)
+  archs = hc.get("architectures") or []
+  arch = archs[0] if archs else hc.get("model_type", "?")
+  if arch in NOT_YET:
+    raise ValueError(
+      f"{path}: architecture {arch} needs {NOT_YET[arch]}, which the policy does not have yet; "
+      f"supported: {sorted(SUPPORTED)}"
+    )
+  if arch not in SUPPORTED:
+    raise ValueError(
+      f"{path}: architecture {arch!r} is not supported; supported: {sorted(SUPPORTED)}"
+    )
+
+  def refuse(field, value, valid):
+    raise ValueError(f"{path}: config.json {field}={value!r} is not supported: {valid}")
+
+  if hc.get("hidden_act", "silu") != "silu":
+    refuse("hidden_act", hc["hidden_act"], "the policy's MLP is SwiGLU (silu)")
+  for field in ("attention_bias", "mlp_bias"):
+    if hc.get(field):
+      refuse(field, hc[field], "the policy's projections have no bias")
+  scaling = hc.get("rope_scaling")
+  if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+    refuse("rope_scaling", scaling, "plain RoPE only (rope_scaling null or default)")
+  params = hc.get("rope_parameters") or {}  # newer configs keep theta here
+  theta = hc.get("rope_theta", params.get("rope_theta", 10000.0))
+  if params.get("rope_type") not in (None, "default"):
+    refuse("rope_parameters", params, "plain RoPE only (rope_type default)")
+  heads = hc["num_attention_heads"]
+  kw: dict[str, Any] = dict(
+    vocab_size=hc["vocab_size"],
+    d_model=hc["hidden_size"],
+    n_layers=hc["num_hidden_layers"],
+    n_heads=heads,
+    n_kv_heads=hc.get("num_key_value_heads") or heads,
+    head_dim=hc.get("head_dim") or hc["hidden_size"] // heads,
+    d_ff=hc["intermediate_size"],
+    rope_theta=float(theta),
+    norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
+    tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
+  )
+  kw.update(overrides)
+  return pol.PolicyConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _layer_tensors(cfg: pol.PolicyConfig):
+  """policy layer key -> (HF key template, HF shape, HF -> policy transform)."""
+  E, H, K, D, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  p = "model.layers.{i}."
+  return {
+    "attn_norm": (p + "input_layernorm.weight", (E,), lambda w: w),
+    "wq": (p + "self_attn.q_proj.weight", (H * D, E), lambda w: w.T.reshape(E, H, D)),
+    "wk": (p + "self_attn.k_proj.weight", (K * D, E), lambda w: w.T.reshape(E, K, D)),
+    "wv": (p + "self_attn.v_proj.weight", (K * D, E), lambda w: w.T.reshape(E, K, D)),
+    "wo": (p + "self_attn.o_proj.weight", (E, H * D), lambda w: w.T.reshape(H, D, E)),
+    "mlp_norm": (p + "post_attention_layernorm.weight", (E,), lambda w: w),
+    "w_gate": (p + "mlp.gate_proj.weight", (F, E), lambda w: w.T),
+    "w_up": (p + "mlp.up_proj.weight", (F, E), lambda w: w.T),
+    "w_down": (p + "mlp.down_proj.weight", (E, F), lambda w: w.T),
+  }
+
+
+def _top_tensors(cfg: pol.PolicyConfig):
+  E, V = cfg.d_model, cfg.vocab_size
+  out = {
+    "embed": ("model.embed_tokens.weight", (V, E), lambda w: w),
+    "final_norm": ("model.norm.weight", (E,), lambda w: w),
+  }
+  if not cfg.tie_embeddings:
+    out["head"] = ("lm_head.weight", (V, E), lambda w: w.T)
+  return out
+
+
+def expected_tensors(cfg: pol.PolicyConfig) -> dict[str, tuple[int, ...]]:
+  """Every HF tensor name a checkpoint of `cfg` must hold, with its shape."""
+  out = {k: s for k, s, _ in _top_tensors(cfg).values()}
+  for key, shape, _ in _layer_tensors(cfg).values():
+    out.update({key.format(i=i): shape for i in range(cfg.n_layers)})
+  return out
+
+
+def load_params(path: str, cfg: pol.PolicyConfig, *, dtype=np.float32, shardings=None):
+  """The policy parameters of a checkpoint, cast to `dtype` (float32 by default; bfloat16 to
+  keep bf16 storage). `shardings`: a pytree of `jax.sharding.Sharding` shaped like the
+  parameters (e.g. the layout's state shardings' "policy" entry): each array is then built
+  shard by shard from the mapped files; without it, host numpy arrays are returned. Every
+  expected tensor is checked for presence and shape before anything is converted."""
+  st = SafetensorsDir(path)
+  for key, shape in expected_tensors(cfg).items():
+    st.get(key, shape)  # raises naming the key and the expected shape
+  dtype = np.dtype(dtype)
+
+  def top(name):
+    key, shape, fn = _top_tensors(cfg)[name]
+    full = lambda: np.asarray(fn(st.get(key, shape)), dtype)
+    out_shape = fn(np.empty(shape, np.int8)).shape
+    return out_shape, lambda idx: full()[idx]
+
+  def stacked(name):
+    key, shape, fn = _layer_tensors(cfg)[name]
+    inner = fn(np.empty(shape, np.int8)).shape
+
+    def read(idx):  # idx: a tuple of slices over (L, *inner)
+      layers = range(cfg.n_layers)[idx[0]]
+      return np.stack(
+        [np.asarray(fn(st.get(key.format(i=i), shape)), dtype)[idx[1:]] for i in layers]
+      )
+
+    return (cfg.n_layers, *inner), read
+
+  specs = {name: top(name) for name in _top_tensors(cfg)}
+  specs["layers"] = {name: stacked(name) for name in _layer_tensors(cfg)}
+
+  def build(spec, sharding):
+    shape, read = spec
+    if sharding is None:
+      return read(tuple(slice(None) for _ in shape))
+    return jax.make_array_from_callback(shape, sharding, lambda idx: read(_full_slices(idx, shape)))
+
+  if shardings is None:
+    return jax.tree.map(lambda s: build(s, None), specs, is_leaf=_is_spec)
+  return jax.tree.map(build, specs, shardings, is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) == 2 and callable(x[1])
+
+
+def _full_slices(idx, shape):
+  idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
+  return tuple(i if isinstance(i, slice) else slice(i, i + 1) for i in idx)
+
+
+def load_policy(path: str, *, dtype=np.float32, shardings=None, **config_overrides):
+  """(PolicyConfig, parameters) of a Hugging Face Llama-family checkpoint directory."""
+  cfg = read_config(path, **config_overrides)
+  return cfg, load_params(path, cfg, dtype=dtype, shardings=shardings)

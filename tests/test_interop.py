@@ -1,0 +1,158 @@
+"""Hugging Face checkpoints in (specdraft/interop/hf.py), against the reference implementation:
+tiny randomly initialised `transformers` Llama models (CPU torch, nothing downloaded) saved as
+safetensors, imported, and compared on logits (unpacked and packed rows, float32, <= 1e-4) and
+greedy generations through the KV cache, token for token."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch  # the `test` extra installs CPU torch and transformers (make test)
+import transformers
+
+from specdraft.decode import autoregressive
+from specdraft.interop import hf
+from specdraft.model import policy as pol
+from specdraft.tasks.tokenizer import EOS, PAD
+
+V = 99
+
+
+def _save_llama(path, *, tie=False, shard=False, **kw):
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(
+    vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=tie, max_position_embeddings=128, initializer_range=0.1, **kw,
+  )  # fmt: skip
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  with torch.no_grad():  # norms away from 1 so a mixed-up norm cannot pass
+    for n, p in model.named_parameters():
+      if "norm" in n:
+        p.add_(0.3 * torch.randn_like(p))
+  model.save_pretrained(str(path), max_shard_size="60KB" if shard else "1GB")
+  return model
+
+
+@pytest.fixture(scope="module", params=["untied-sharded", "tied"])
+def llama(request, tmp_path_factory):
+  path = tmp_path_factory.mktemp(request.param)
+  model = _save_llama(path, tie=request.param == "tied", shard="sharded" in request.param)
+  pcfg, params = hf.load_policy(str(path))
+  return path, model, pcfg, params
+
+
+def _hf_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def test_config_and_checkpoint_files(llama):
+  path, model, pcfg, _ = llama
+  files = os.listdir(path)
+  if "sharded" in str(path):
+    assert (
+      "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 1
+    )
+  assert (pcfg.d_model, pcfg.n_layers, pcfg.n_heads, pcfg.n_kv_heads, pcfg.head_dim, pcfg.d_ff) == (
+    64, 3, 4, 2, 16, 96,
+  )  # fmt: skip
+  assert pcfg.rope_theta == 5000.0 and pcfg.norm_eps == 1e-5
+  assert pcfg.tie_embeddings == model.config.tie_word_embeddings
+
+
+def test_logits_equal_transformers_on_unpacked_rows(llama):
+  _, model, pcfg, params = llama
+  tokens = np.random.default_rng(0).integers(0, V, (2, 20))
+  ours, _ = jax.jit(lambda p, t: pol.forward(p, pcfg, t))(params, jnp.asarray(tokens, jnp.int32))
+  want = _hf_logits(model, tokens)
+  np.testing.assert_allclose(np.asarray(ours), want, rtol=1e-4, atol=1e-4)
+
+
+def test_logits_equal_transformers_on_packed_rows(llama):
+  """Two documents packed in one row (positions restart, segment ids differ) give each
+  document's own logits."""
+  _, model, pcfg, params = llama
+  rng = np.random.default_rng(1)
+  a, b = rng.integers(0, V, 11), rng.integers(0, V, 7)
+  tokens = np.concatenate([a, b])[None]
+  pos = np.concatenate([np.arange(11), np.arange(7)])[None]
+  seg = np.concatenate([np.ones(11), 2 * np.ones(7)])[None]
+  ours, _ = pol.forward(params, pcfg, *(jnp.asarray(x, jnp.int32) for x in (tokens, pos, seg)))
+  ours = np.asarray(ours)[0]
+  np.testing.assert_allclose(ours[:11], _hf_logits(model, a[None])[0], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(ours[11:], _hf_logits(model, b[None])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generation_through_the_kv_cache_equals_transformers(llama):
+  _, model, pcfg, params = llama
+  rng = np.random.default_rng(2)
+  prompt = rng.integers(3, V, (1, 6))
+  N = 12
+  gen = autoregressive.generate(
+    params, pcfg, jnp.asarray(prompt, jnp.int32), jnp.array([6], jnp.int32), jax.random.key(0),
+    max_new_tokens=N, temperature=0.0,
+  )  # fmt: skip
+  ours = np.asarray(gen.tokens)[0]
+  with torch.no_grad():
+    out = model.generate(
+      torch.tensor(prompt), max_new_tokens=N, do_sample=False, eos_token_id=EOS,
+      pad_token_id=PAD,
+    )[0, 6:].numpy()  # fmt: skip
+  n = len(out)
+  np.testing.assert_array_equal(ours[:n], out)
+
+
+def test_sharded_load_places_each_shard_and_equals_the_host_load(llama):
+  path, _, pcfg, params = llama
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  P = jax.sharding.PartitionSpec
+  spec = lambda x: (
+    P("a")
+    if x.ndim >= 2 and x.shape[0] % 2 == 0
+    else P(None, "b")
+    if x.ndim >= 2 and x.shape[1] % 4 == 0
+    else P()
+  )
+  shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, spec(x)), params)
+  _, placed = hf.load_policy(str(path), shardings=shardings, dtype=jnp.bfloat16)
+  for got, want, sh in zip(
+    jax.tree.leaves(placed), jax.tree.leaves(params), jax.tree.leaves(shardings)
+  ):
+    assert got.sharding == sh and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want).astype(jnp.bfloat16))
+
+
+def test_bad_checkpoints_fail_naming_what_is_wrong(tmp_path):
+  path = tmp_path / "m"
+  _save_llama(path)
+  cfg = json.loads((path / "config.json").read_text())
+  pcfg = hf.read_config(str(path))
+  # a mis-shaped tensor: read the config of a wider model against these weights
+  wide = pol.PolicyConfig(**{**pcfg.__dict__, "d_ff": 128})
+  with pytest.raises(
+    ValueError,
+    match=r"'model.layers.0.mlp.gate_proj.weight' has shape \(96, 64\), expected \(128, 64\)",
+  ):
+    hf.load_params(str(path), wide)
+  deep = pol.PolicyConfig(**{**pcfg.__dict__, "n_layers": 4})
+  with pytest.raises(
+    KeyError, match=r"'model.layers.3.input_layernorm.weight' is missing \(expected shape \(64,\)\)"
+  ):
+    hf.load_params(str(path), deep)
+  for arch, what in (
+    ("Qwen2ForCausalLM", "biases"),
+    ("Qwen3ForCausalLM", "q/k RMSNorm"),
+    ("GPT2LMHeadModel", "not supported"),
+  ):
+    (path / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch])))
+    with pytest.raises(ValueError, match=what):
+      hf.read_config(str(path))
+  (path / "config.json").write_text(
+    json.dumps(dict(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+  )
+  with pytest.raises(ValueError, match="rope_scaling"):
+    hf.read_config(str(path))
