@@ -156,3 +156,26 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(tmp_path):
   )
   with pytest.raises(ValueError, match="rope_scaling"):
     hf.read_config(str(path))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path, tie):
+  """The reverse direction: a policy of ours written by save_policy is read by
+  LlamaForCausalLM.from_pretrained (the reference implementation) and computes our logits; and
+  load_policy reads it back unchanged."""
+  pcfg = pol.PolicyConfig(
+    vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
+    rope_theta=500.0, norm_eps=1e-5, tie_embeddings=tie, init_std=0.1,
+  )  # fmt: skip
+  params = pol.init_params(pcfg, 3)
+  params["final_norm"] = params["final_norm"] + 0.2  # away from the init's ones
+  hf.save_policy(str(tmp_path), pcfg, params)
+  model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+  assert model.config.tie_word_embeddings == tie
+  tokens = np.random.default_rng(4).integers(0, V, (2, 16))
+  ours, _ = pol.forward(params, pcfg, jnp.asarray(tokens, jnp.int32))
+  np.testing.assert_allclose(np.asarray(ours), _hf_logits(model, tokens), rtol=1e-4, atol=1e-4)
+  back_cfg, back = hf.load_policy(str(tmp_path))
+  assert back_cfg == pcfg
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, np.asarray(b))

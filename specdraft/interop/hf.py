@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints in: a Llama-family directory (config.json, *.safetensors, possibly
+"""Hugging Face checkpoints in and out: a Llama-family directory (config.json, *.safetensors, possibly
 sharded with model.safetensors.index.json) becomes a `PolicyConfig` and policy parameters.
 
   pcfg, params = hf.load_policy("path/to/checkpoint")                       # host arrays
   pcfg, params = hf.load_policy(path, shardings=state_shardings["policy"])  # placed as they load
+  hf.save_policy("out/dir", pcfg, params)                                   # and back out
 
 The safetensors files are read by this module (an 8-byte header length, a JSON header, raw
 little-endian tensors), memory-mapped: nothing needs torch, and with `shardings` every device's
@@ -163,6 +164,7 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     rope_theta=float(theta),
     norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
     tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
+    init_std=float(hc.get("initializer_range", 0.02)),
   )
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
@@ -263,3 +265,97 @@ def load_policy(path: str, *, dtype=np.float32, shardings=None, **config_overrid
   """(PolicyConfig, parameters) of a Hugging Face Llama-family checkpoint directory."""
   cfg = read_config(path, **config_overrides)
   return cfg, load_params(path, cfg, dtype=dtype, shardings=shardings)
+
+
+# ----------------------------------------------------------------------------- out
+
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+  """Writes `tensors` (name -> array) as one safetensors file, atomically (a temporary file
+  renamed into place)."""
+  header, offset, arrays = {}, 0, []
+  for name in sorted(tensors):
+    a = np.ascontiguousarray(tensors[name])
+    if a.dtype not in _NAMES:
+      raise ValueError(
+        f"tensor {name!r} has dtype {a.dtype}, not one of {sorted(map(str, _NAMES))}"
+      )
+    n = a.nbytes
+    header[name] = {
+      "dtype": _NAMES[a.dtype],
+      "shape": list(a.shape),
+      "data_offsets": [offset, offset + n],
+    }
+    offset += n
+    arrays.append(a)
+  if metadata:
+    header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for a in arrays:
+      f.write(a.tobytes())
+  os.replace(tmp, path)
+
+
+def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
+  """config.json of the LlamaForCausalLM that computes what `cfg` computes."""
+  return {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.d_model,
+    "intermediate_size": cfg.d_ff,
+    "num_hidden_layers": cfg.n_layers,
+    "num_attention_heads": cfg.n_heads,
+    "num_key_value_heads": cfg.n_kv_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": cfg.norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": cfg.tie_embeddings,
+    "initializer_range": cfg.init_std,
+    "torch_dtype": {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
+      np.dtype(dtype).name
+    ],
+  }
+
+
+def save_policy(path: str, cfg: pol.PolicyConfig, params, *, dtype=np.float32):
+  """Writes the policy as a Hugging Face Llama checkpoint (config.json, model.safetensors) that
+  `transformers.LlamaForCausalLM.from_pretrained` and `load_policy` read back."""
+  os.makedirs(path, exist_ok=True)
+  dtype = np.dtype(dtype)
+  host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), np.float32), params)
+  E, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  inverse = {  # policy layout -> HF layout, the inverses of _layer_tensors' transforms
+    "attn_norm": lambda w: w,
+    "wq": lambda w: w.reshape(E, H * D).T,
+    "wk": lambda w: w.reshape(E, K * D).T,
+    "wv": lambda w: w.reshape(E, K * D).T,
+    "wo": lambda w: w.reshape(H * D, E).T,
+    "mlp_norm": lambda w: w,
+    "w_gate": lambda w: w.T,
+    "w_up": lambda w: w.T,
+    "w_down": lambda w: w.T,
+  }
+  out = {}
+  for name, (key, _, _) in _layer_tensors(cfg).items():
+    for i in range(cfg.n_layers):
+      out[key.format(i=i)] = inverse[name](host["layers"][name][i])
+  out["model.embed_tokens.weight"] = host["embed"]
+  out["model.norm.weight"] = host["final_norm"]
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = host["head"].T
+  out = {k: np.ascontiguousarray(v).astype(dtype) for k, v in out.items()}
+  write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config(cfg, dtype=dtype), f, indent=2)
