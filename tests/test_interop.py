@@ -21,26 +21,41 @@ from specdraft.tasks.tokenizer import EOS, PAD
 V = 99
 
 
-def _save_llama(path, *, tie=False, shard=False, **kw):
+FAMILIES = {
+  "llama": ("LlamaConfig", "LlamaForCausalLM"),
+  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v biases
+  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # q/k RMSNorm per head
+}
+
+
+def _save_llama(path, *, tie=False, shard=False, family="llama", **kw):
   torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(
+  config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
+  if family == "qwen3":
+    kw["head_dim"] = 16  # Qwen3 configs name it (default 128)
+  cfg = config_cls(
     vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0, rms_norm_eps=1e-5,
     tie_word_embeddings=tie, max_position_embeddings=128, initializer_range=0.1, **kw,
   )  # fmt: skip
-  model = transformers.LlamaForCausalLM(cfg).eval()
-  with torch.no_grad():  # norms away from 1 so a mixed-up norm cannot pass
+  model = model_cls(cfg).eval()
+  with torch.no_grad():  # norms away from 1 and biases away from 0, so a mix-up cannot pass
     for n, p in model.named_parameters():
-      if "norm" in n:
+      if "norm" in n or n.endswith(".bias"):
         p.add_(0.3 * torch.randn_like(p))
   model.save_pretrained(str(path), max_shard_size="60KB" if shard else "1GB")
   return model
 
 
-@pytest.fixture(scope="module", params=["untied-sharded", "tied"])
+@pytest.fixture(scope="module", params=["llama-untied-sharded", "llama-tied", "qwen2", "qwen3"])
 def llama(request, tmp_path_factory):
   path = tmp_path_factory.mktemp(request.param)
-  model = _save_llama(path, tie=request.param == "tied", shard="sharded" in request.param)
+  model = _save_llama(
+    path,
+    tie=request.param == "llama-tied",
+    shard="sharded" in request.param,
+    family=request.param.split("-")[0],
+  )
   pcfg, params = hf.load_policy(str(path))
   return path, model, pcfg, params
 
@@ -62,6 +77,8 @@ def test_config_and_checkpoint_files(llama):
   )  # fmt: skip
   assert pcfg.rope_theta == 5000.0 and pcfg.norm_eps == 1e-5
   assert pcfg.tie_embeddings == model.config.tie_word_embeddings
+  family = model.config.model_type
+  assert (pcfg.qkv_bias, pcfg.qk_norm) == (family == "qwen2", family == "qwen3")
 
 
 def test_logits_equal_transformers_on_unpacked_rows(llama):
@@ -144,34 +161,46 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(tmp_path):
   ):
     hf.load_params(str(path), deep)
   for arch, what in (
-    ("Qwen2ForCausalLM", "biases"),
-    ("Qwen3ForCausalLM", "q/k RMSNorm"),
+    ("MistralForCausalLM", "sliding-window attention"),
     ("GPT2LMHeadModel", "not supported"),
   ):
     (path / "config.json").write_text(json.dumps(dict(cfg, architectures=[arch])))
     with pytest.raises(ValueError, match=what):
       hf.read_config(str(path))
-  (path / "config.json").write_text(
-    json.dumps(dict(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
-  )
-  with pytest.raises(ValueError, match="rope_scaling"):
-    hf.read_config(str(path))
+  for field, value in (
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("use_sliding_window", True),
+    ("attention_bias", True),
+  ):
+    (path / "config.json").write_text(json.dumps(dict(cfg, **{field: value})))
+    with pytest.raises(ValueError, match=f"config.json {field}="):
+      hf.read_config(str(path))
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path, tie):
-  """The reverse direction: a policy of ours written by save_policy is read by
-  LlamaForCausalLM.from_pretrained (the reference implementation) and computes our logits; and
+@pytest.mark.parametrize(
+  "tie,extra",
+  [(False, {}), (True, {}), (False, {"qkv_bias": True}), (True, {"qk_norm": True})],
+  ids=["llama-untied", "llama-tied", "qwen2", "qwen3"],
+)
+def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path, tie, extra):
+  """The reverse direction: a policy of ours written by save_policy is read by transformers'
+  from_pretrained (the reference implementation of its family) and computes our logits; and
   load_policy reads it back unchanged."""
   pcfg = pol.PolicyConfig(
     vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
-    rope_theta=500.0, norm_eps=1e-5, tie_embeddings=tie, init_std=0.1,
+    rope_theta=500.0, norm_eps=1e-5, tie_embeddings=tie, init_std=0.1, **extra,
   )  # fmt: skip
   params = pol.init_params(pcfg, 3)
   params["final_norm"] = params["final_norm"] + 0.2  # away from the init's ones
+  rng = np.random.default_rng(5)
+  for k in ("bq", "bk", "bv", "q_norm", "k_norm"):  # away from zeros / ones
+    if k in params["layers"]:
+      params["layers"][k] = params["layers"][k] + 0.3 * rng.normal(size=params["layers"][k].shape)
   hf.save_policy(str(tmp_path), pcfg, params)
-  model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
   assert model.config.tie_word_embeddings == tie
+  family = "qwen2" if extra.get("qkv_bias") else "qwen3" if extra.get("qk_norm") else "llama"
+  assert model.config.model_type == family
   tokens = np.random.default_rng(4).integers(0, V, (2, 16))
   ours, _ = pol.forward(params, pcfg, jnp.asarray(tokens, jnp.int32))
   np.testing.assert_allclose(np.asarray(ours), _hf_logits(model, tokens), rtol=1e-4, atol=1e-4)

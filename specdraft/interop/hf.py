@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: a Llama-family directory (config.json, *.safetensors, possibly
+"""Hugging Face checkpoints in and out: a Llama, Qwen2 or Qwen3 directory (config.json, *.safetensors, possibly
 sharded with model.safetensors.index.json) becomes a `PolicyConfig` and policy parameters.
 
   pcfg, params = hf.load_policy("path/to/checkpoint")                       # host arrays
@@ -18,8 +18,11 @@ Conventions, checked against `transformers` by tests/test_interop.py:
   k need no permutation; theta from `rope_theta`. RoPE scaling is not implemented and refused.
 - RMSNorm: y = w * x / sqrt(mean(x^2) + eps) in float32, eps from `rms_norm_eps`.
 - `tie_word_embeddings`: a tied model has no lm_head tensor (the head is embed^T).
-Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) need parameters the policy does not have yet;
-they are refused with what is missing.
+- Qwen2: biases on q/k/v (not o) -> bq [H, D], bk/bv [K, D] (`PolicyConfig.qkv_bias`).
+- Qwen3: RMSNorm of each q and k head (over D) before RoPE -> q_norm/k_norm [D]
+  (`PolicyConfig.qk_norm`), no biases.
+Sliding-window attention, attention biases on o_proj and RoPE scaling are refused, naming the
+field.
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ import numpy as np
 
 from specdraft.model import policy as pol
 
-SUPPORTED = {"LlamaForCausalLM": "llama"}
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # Architectures a user is likely to bring, and what the policy lacks for them.
 NOT_YET = {
-  "Qwen2ForCausalLM": "q/k/v projection biases",
-  "Qwen3ForCausalLM": "per-head q/k RMSNorm",
   "MistralForCausalLM": "sliding-window attention",
+  "Gemma2ForCausalLM": "logit soft-capping and sliding-window attention",
 }
 
 _DTYPES = {
@@ -140,11 +142,14 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
   def refuse(field, value, valid):
     raise ValueError(f"{path}: config.json {field}={value!r} is not supported: {valid}")
 
+  family = SUPPORTED[arch]
   if hc.get("hidden_act", "silu") != "silu":
     refuse("hidden_act", hc["hidden_act"], "the policy's MLP is SwiGLU (silu)")
   for field in ("attention_bias", "mlp_bias"):
     if hc.get(field):
-      refuse(field, hc[field], "the policy's projections have no bias")
+      refuse(field, hc[field], "the policy's output and MLP projections have no bias")
+  if hc.get("use_sliding_window"):
+    refuse("use_sliding_window", hc["use_sliding_window"], "full causal attention only")
   scaling = hc.get("rope_scaling")
   if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
     refuse("rope_scaling", scaling, "plain RoPE only (rope_scaling null or default)")
@@ -165,6 +170,8 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
     tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
     init_std=float(hc.get("initializer_range", 0.02)),
+    qkv_bias=family == "qwen2",
+    qk_norm=family == "qwen3",
   )
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
@@ -187,7 +194,20 @@ def _layer_tensors(cfg: pol.PolicyConfig):
     "w_gate": (p + "mlp.gate_proj.weight", (F, E), lambda w: w.T),
     "w_up": (p + "mlp.up_proj.weight", (F, E), lambda w: w.T),
     "w_down": (p + "mlp.down_proj.weight", (E, F), lambda w: w.T),
-  }
+  } | _bias_and_norm_tensors(cfg)
+
+
+def _bias_and_norm_tensors(cfg: pol.PolicyConfig):
+  H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  p, out = "model.layers.{i}.self_attn.", {}
+  if cfg.qkv_bias:
+    out["bq"] = (p + "q_proj.bias", (H * D,), lambda b: b.reshape(H, D))
+    out["bk"] = (p + "k_proj.bias", (K * D,), lambda b: b.reshape(K, D))
+    out["bv"] = (p + "v_proj.bias", (K * D,), lambda b: b.reshape(K, D))
+  if cfg.qk_norm:
+    out["q_norm"] = (p + "q_norm.weight", (D,), lambda w: w)
+    out["k_norm"] = (p + "k_norm.weight", (D,), lambda w: w)
+  return out
 
 
 def _top_tensors(cfg: pol.PolicyConfig):
@@ -304,10 +324,20 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict 
 
 
 def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
-  """config.json of the LlamaForCausalLM that computes what `cfg` computes."""
+  """config.json of the Llama (Qwen2 with q/k/v biases, Qwen3 with q/k norms) model that
+  computes what `cfg` computes."""
+  if cfg.qkv_bias and cfg.qk_norm:
+    raise ValueError("a policy with both q/k/v biases and q/k norms has no Hugging Face family")
+  arch, kind = (
+    ("Qwen2ForCausalLM", "qwen2")
+    if cfg.qkv_bias
+    else ("Qwen3ForCausalLM", "qwen3")
+    if cfg.qk_norm
+    else ("LlamaForCausalLM", "llama")
+  )
   return {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    "architectures": [arch],
+    "model_type": kind,
     "vocab_size": cfg.vocab_size,
     "hidden_size": cfg.d_model,
     "intermediate_size": cfg.d_ff,
@@ -321,6 +351,7 @@ def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
     "rope_scaling": None,
     "attention_bias": False,
     "mlp_bias": False,
+    "use_sliding_window": False,
     "tie_word_embeddings": cfg.tie_embeddings,
     "initializer_range": cfg.init_std,
     "torch_dtype": {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
@@ -330,8 +361,8 @@ def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
 
 
 def save_policy(path: str, cfg: pol.PolicyConfig, params, *, dtype=np.float32):
-  """Writes the policy as a Hugging Face Llama checkpoint (config.json, model.safetensors) that
-  `transformers.LlamaForCausalLM.from_pretrained` and `load_policy` read back."""
+  """Writes the policy as a Hugging Face checkpoint (config.json, model.safetensors) of its
+  family (`hf_config`) that `transformers`' from_pretrained and `load_policy` read back."""
   os.makedirs(path, exist_ok=True)
   dtype = np.dtype(dtype)
   host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), np.float32), params)
@@ -346,6 +377,11 @@ def save_policy(path: str, cfg: pol.PolicyConfig, params, *, dtype=np.float32):
     "w_gate": lambda w: w.T,
     "w_up": lambda w: w.T,
     "w_down": lambda w: w.T,
+    "bq": lambda b: b.reshape(-1),
+    "bk": lambda b: b.reshape(-1),
+    "bv": lambda b: b.reshape(-1),
+    "q_norm": lambda w: w,
+    "k_norm": lambda w: w,
   }
   out = {}
   for name, (key, _, _) in _layer_tensors(cfg).items():

@@ -35,6 +35,8 @@ class PolicyConfig:
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
+  qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
+  qk_norm: bool = False  # RMSNorm of each q and k head before RoPE (Qwen3)
   tap_layers: tuple[int, ...] | None = None
   init_std: float = 0.02
   dtype: str = "float32"
@@ -84,6 +86,13 @@ class StackedLayers(nnx.Module):
     self.wk = nnx.Param(normal(rngs.params(), (L, E, K, D)))
     self.wv = nnx.Param(normal(rngs.params(), (L, E, K, D)))
     self.wo = nnx.Param(nnx.initializers.normal(out_std)(rngs.params(), (L, H, D, E)))
+    if cfg.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((L, H, D)))
+      self.bk = nnx.Param(jnp.zeros((L, K, D)))
+      self.bv = nnx.Param(jnp.zeros((L, K, D)))
+    if cfg.qk_norm:
+      self.q_norm = nnx.Param(jnp.ones((L, D)))
+      self.k_norm = nnx.Param(jnp.ones((L, D)))
     self.mlp_norm = nnx.Param(jnp.ones((L, E)))
     self.w_gate = nnx.Param(normal(rngs.params(), (L, E, F)))
     self.w_up = nnx.Param(normal(rngs.params(), (L, E, F)))
@@ -131,6 +140,11 @@ def param_logical_axes(params: Params) -> Params:
     "wk": ("layers", "embed", "kv_heads", "head_dim"),
     "wv": ("layers", "embed", "kv_heads", "head_dim"),
     "wo": ("layers", "heads", "head_dim", "embed"),
+    "bq": ("layers", "heads", "head_dim"),
+    "bk": ("layers", "kv_heads", "head_dim"),
+    "bv": ("layers", "kv_heads", "head_dim"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
@@ -159,12 +173,18 @@ def rope(x_BTHD, positions_BT, theta):
 
 
 def qkv(lp, x_BTE, positions_BT, cfg: PolicyConfig):
-  """One layer's projected, RoPE-rotated q, k and v (drafts reuse this)."""
+  """One layer's projected, RoPE-rotated q, k and v (drafts reuse this). Layers with q/k/v
+  biases (Qwen2) add them; layers with q/k norms (Qwen3) RMS-normalise each head of q and k
+  before RoPE."""
   dt = cfg.compute_dtype
   h = rms_norm(x_BTE, lp["attn_norm"], cfg.norm_eps)
   q = jnp.einsum("bte,ehd->bthd", h, lp["wq"].astype(dt))
   k = jnp.einsum("bte,ekd->btkd", h, lp["wk"].astype(dt))
   v = jnp.einsum("bte,ekd->btkd", h, lp["wv"].astype(dt))
+  if "bq" in lp:
+    q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
+  if "q_norm" in lp:
+    q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
   return rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta), v
 
 
