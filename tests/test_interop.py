@@ -208,3 +208,142 @@ def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path, ti
   assert back_cfg == pcfg
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 export
+
+
+class _TorchEagle3(torch.nn.Module):
+  """An independent torch implementation of the public EAGLE-3 draft definition, written for
+  this test from that definition (not from specdraft): residual = fc(taps); q/k/v read
+  [input_layernorm(embed(x)); hidden_norm(residual)]; rotate-half RoPE; causal GQA attention;
+  residual + o_proj; + MLP(post_attention_layernorm); logits = lm_head(norm(h))."""
+
+  def __init__(self, path, embed):
+    super().__init__()
+    from safetensors.torch import load_file
+
+    self.w = load_file(os.path.join(path, "model.safetensors"))
+    self.c = json.loads(open(os.path.join(path, "config.json")).read())
+    self.embed = torch.tensor(np.asarray(embed))
+
+  def norm(self, x, w):
+    var = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(var + self.c["rms_norm_eps"]))
+
+  def forward(self, taps, tokens):  # taps [B, T, 3E] (low, mid, high), tokens [B, T]
+    w, c = self.w, self.c
+    H, K, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    B, T = tokens.shape
+    h = taps @ w["fc.weight"].T
+    x = torch.cat(
+      [
+        self.norm(self.embed[tokens], w["midlayer.input_layernorm.weight"]),
+        self.norm(h, w["midlayer.hidden_norm.weight"]),
+      ],
+      -1,
+    )
+    a = "midlayer.self_attn."
+    q = (x @ w[a + "q_proj.weight"].T).view(B, T, H, D).transpose(1, 2)
+    k = (x @ w[a + "k_proj.weight"].T).view(B, T, K, D).transpose(1, 2)
+    v = (x @ w[a + "v_proj.weight"].T).view(B, T, K, D).transpose(1, 2)
+    inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.arange(T).float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = lambda t: torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1)
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    k, v = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
+    s = (q @ k.transpose(-1, -2)) / D**0.5
+    s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    o = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, H * D)
+    h = h + o @ w[a + "o_proj.weight"].T
+    m = "midlayer.mlp."
+    z = self.norm(h, w["midlayer.post_attention_layernorm.weight"])
+    g = torch.nn.functional.silu(z @ w[m + "gate_proj.weight"].T) * (z @ w[m + "up_proj.weight"].T)
+    h = h + g @ w[m + "down_proj.weight"].T
+    return self.norm(h, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
+  """Every key, shape and dtype against the EAGLE-3 table; config fields; and the exported
+  checkpoint run through an independent torch implementation gives the draft's logits."""
+  from safetensors import safe_open
+
+  from specdraft.model import eagle3
+
+  pcfg = pol.PolicyConfig(
+    vocab_size=V, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96
+  )
+  dcfg = eagle3.DraftConfig(
+    d_model=64,
+    vocab_size=V,
+    n_taps=len(pcfg.taps),
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    d_ff=80,
+    rope_theta=700.0,
+    norm_eps=1e-5,
+    init_std=0.1,
+  )
+  params = pol.init_params(pcfg, 0)
+  dp = eagle3.init_params(dcfg, 1, params, pcfg)
+  rng = np.random.default_rng(0)
+  for k in ("embed_norm", "hidden_norm", "mlp_norm", "final_norm"):
+    dp[k] = dp[k] + 0.3 * rng.normal(size=dp[k].shape)
+  hf.save_eagle3(str(tmp_path), dcfg, dp, pcfg)
+
+  E, H, K, D, F = 64, 4, 2, 16, 80
+  sizes = {"E": E, "2E": 2 * E, "3E": 3 * E, "H*D": H * D, "K*D": K * D, "F": F, "V": V, "Vd": V}
+  with safe_open(str(tmp_path / "model.safetensors"), framework="np") as f:
+    assert set(f.keys()) == set(hf.EAGLE3_TENSORS)
+    for key, dims in hf.EAGLE3_TENSORS.items():
+      t = f.get_tensor(key)
+      assert t.shape == tuple(sizes[x] for x in dims), key
+      want = np.int64 if key == "d2t" else np.bool_ if key == "t2d" else np.float32
+      assert t.dtype == want, key
+  c = json.loads((tmp_path / "config.json").read_text())
+  assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+  assert (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]) == (E, F, H)
+  assert (c["num_key_value_heads"], c["head_dim"], c["draft_vocab_size"], c["vocab_size"]) == (
+    K,
+    D,
+    V,
+    V,
+  )
+  assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(pcfg.taps)
+
+  B, T = 2, 10
+  tokens = rng.integers(0, V, (B, T))
+  taps = rng.normal(size=(3, B, T, E)).astype(np.float32)
+  feat = eagle3.fuse(dp, jnp.asarray(taps), dcfg)
+  cache = eagle3.init_cache(dcfg, B, T)
+  ours, _, _ = eagle3.prefill(
+    dp,
+    dcfg,
+    params["embed"],
+    cache,
+    feat,
+    jnp.asarray(tokens, jnp.int32),
+    jnp.full((B,), T, jnp.int32),
+  )
+  ref = _TorchEagle3(str(tmp_path), params["embed"])
+  with torch.no_grad():
+    want = ref(
+      torch.tensor(np.moveaxis(taps, 0, 2).reshape(B, T, 3 * E)), torch.tensor(tokens)
+    ).numpy()
+  np.testing.assert_allclose(np.asarray(ours), want, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_export_refuses_a_draft_without_three_taps(tmp_path):
+  from specdraft.model import eagle3
+
+  pcfg = pol.PolicyConfig(
+    vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64
+  )
+  dcfg = eagle3.DraftConfig(
+    d_model=32, vocab_size=V, n_taps=len(pcfg.taps), n_heads=2, n_kv_heads=1, head_dim=16, d_ff=64
+  )
+  assert dcfg.n_taps != 3
+  with pytest.raises(ValueError, match="exactly 3 tapped layers"):
+    hf.save_eagle3(str(tmp_path), dcfg, eagle3.init_params(dcfg, 0), pcfg)

@@ -51,6 +51,7 @@ _DTYPES = {
   "F64": np.float64,
   "I64": np.int64,
   "I32": np.int32,
+  "BOOL": np.bool_,
 }
 
 
@@ -395,3 +396,99 @@ def save_policy(path: str, cfg: pol.PolicyConfig, params, *, dtype=np.float32):
   write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf_config(cfg, dtype=dtype), f, indent=2)
+
+
+# ----------------------------------------------------------------------------- EAGLE-3 drafts
+
+# The tensors of an EAGLE-3 draft checkpoint as the public EAGLE-3 training and serving code
+# names them (E width, H/K heads, D head dim, F MLP width, V target vocabulary, Vd draft
+# vocabulary): one decoder layer `midlayer` whose q/k/v read [input_layernorm(embed(token));
+# hidden_norm(fc(taps))] (width 2E) with the residual on fc's output, `norm` before `lm_head`,
+# and the draft-to-target vocabulary maps. The embedding is the target's and is not saved.
+EAGLE3_TENSORS = {
+  "fc.weight": ("E", "3E"),
+  "midlayer.input_layernorm.weight": ("E",),
+  "midlayer.hidden_norm.weight": ("E",),
+  "midlayer.self_attn.q_proj.weight": ("H*D", "2E"),
+  "midlayer.self_attn.k_proj.weight": ("K*D", "2E"),
+  "midlayer.self_attn.v_proj.weight": ("K*D", "2E"),
+  "midlayer.self_attn.o_proj.weight": ("E", "H*D"),
+  "midlayer.post_attention_layernorm.weight": ("E",),
+  "midlayer.mlp.gate_proj.weight": ("F", "E"),
+  "midlayer.mlp.up_proj.weight": ("F", "E"),
+  "midlayer.mlp.down_proj.weight": ("E", "F"),
+  "norm.weight": ("E",),
+  "lm_head.weight": ("Vd", "E"),
+  "d2t": ("Vd",),  # int64: target id = draft id + d2t[draft id]
+  "t2d": ("V",),  # bool: the target token is in the draft vocabulary
+}
+
+
+def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):
+  """config.json of an EAGLE-3 draft (the fields EAGLE-3 serving loaders read)."""
+  return {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": dcfg.d_model,
+    "target_hidden_size": pcfg.d_model,
+    "intermediate_size": dcfg.d_ff,
+    "num_hidden_layers": 1,
+    "num_attention_heads": dcfg.n_heads,
+    "num_key_value_heads": dcfg.n_kv_heads,
+    "head_dim": dcfg.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": dcfg.norm_eps,
+    "rope_theta": dcfg.rope_theta,
+    "rope_scaling": None,
+    "max_position_embeddings": max_positions,
+    "vocab_size": pcfg.vocab_size,
+    "draft_vocab_size": dcfg.vocab_size,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": np.dtype(dtype).name,
+    # the tapped target layers (0-indexed layer outputs), low to high: fc's input order
+    "eagle_config": {
+      "use_aux_hidden_state": True,
+      "eagle_aux_hidden_state_layer_ids": list(pcfg.taps),
+    },
+  }
+
+
+def save_eagle3(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.float32, **config):
+  """Writes a trained EAGLE-3 draft (model/eagle3.py) as an EAGLE-3 checkpoint: config.json and
+  model.safetensors with the names and shapes of `EAGLE3_TENSORS`. The draft's vocabulary is the
+  target's (d2t all zeros, t2d all true)."""
+  if dcfg.n_taps != 3:
+    raise ValueError(
+      f"an EAGLE-3 checkpoint fuses exactly 3 tapped layers (fc is [E, 3E]); this draft taps "
+      f"{dcfg.n_taps} (policy tap_layers {pcfg.taps})"
+    )
+  E, H, K, D = dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim
+  d = {k: np.asarray(jax.device_get(v), np.float32) for k, v in dparams.items()}
+  known = {"fc", "embed_norm", "hidden_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate"}
+  known |= {"w_up", "w_down", "final_norm", "head"}
+  if set(d) != known:
+    raise ValueError(f"not EAGLE-3 draft parameters: keys {sorted(d)}, expected {sorted(known)}")
+  out = {
+    "fc.weight": d["fc"].T,
+    "midlayer.input_layernorm.weight": d["embed_norm"],
+    "midlayer.hidden_norm.weight": d["hidden_norm"],
+    "midlayer.self_attn.q_proj.weight": d["wq"].reshape(2 * E, H * D).T,
+    "midlayer.self_attn.k_proj.weight": d["wk"].reshape(2 * E, K * D).T,
+    "midlayer.self_attn.v_proj.weight": d["wv"].reshape(2 * E, K * D).T,
+    "midlayer.self_attn.o_proj.weight": d["wo"].reshape(H * D, E).T,
+    "midlayer.post_attention_layernorm.weight": d["mlp_norm"],
+    "midlayer.mlp.gate_proj.weight": d["w_gate"].T,
+    "midlayer.mlp.up_proj.weight": d["w_up"].T,
+    "midlayer.mlp.down_proj.weight": d["w_down"].T,
+    "norm.weight": d["final_norm"],
+    "lm_head.weight": d["head"].T,
+  }
+  out = {k: np.ascontiguousarray(v).astype(np.dtype(dtype)) for k, v in out.items()}
+  out["d2t"] = np.zeros((dcfg.vocab_size,), np.int64)
+  out["t2d"] = np.ones((pcfg.vocab_size,), np.bool_)
+  os.makedirs(path, exist_ok=True)
+  write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(eagle3_config(dcfg, pcfg, dtype=dtype, **config), f, indent=2)
