@@ -367,27 +367,13 @@ def save_policy(path: str, cfg: pol.PolicyConfig, params, *, dtype=np.float32):
   os.makedirs(path, exist_ok=True)
   dtype = np.dtype(dtype)
   host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), np.float32), params)
-  E, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  inverse = {  # policy layout -> HF layout, the inverses of _layer_tensors' transforms
-    "attn_norm": lambda w: w,
-    "wq": lambda w: w.reshape(E, H * D).T,
-    "wk": lambda w: w.reshape(E, K * D).T,
-    "wv": lambda w: w.reshape(E, K * D).T,
-    "wo": lambda w: w.reshape(H * D, E).T,
-    "mlp_norm": lambda w: w,
-    "w_gate": lambda w: w.T,
-    "w_up": lambda w: w.T,
-    "w_down": lambda w: w.T,
-    "bq": lambda b: b.reshape(-1),
-    "bk": lambda b: b.reshape(-1),
-    "bv": lambda b: b.reshape(-1),
-    "q_norm": lambda w: w,
-    "k_norm": lambda w: w,
-  }
+  # Every layer transform in _layer_tensors transposes a 2-D HF weight (then splits heads) or
+  # reshapes a 1-D one, so its inverse follows from the HF shape alone.
+  to_hf = lambda w, shape: w.reshape(shape[::-1]).T if len(shape) == 2 else w.reshape(shape)
   out = {}
-  for name, (key, _, _) in _layer_tensors(cfg).items():
+  for name, (key, shape, _) in _layer_tensors(cfg).items():
     for i in range(cfg.n_layers):
-      out[key.format(i=i)] = inverse[name](host["layers"][name][i])
+      out[key.format(i=i)] = to_hf(host["layers"][name][i], shape)
   out["model.embed_tokens.weight"] = host["embed"]
   out["model.norm.weight"] = host["final_norm"]
   if not cfg.tie_embeddings:
