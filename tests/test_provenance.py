@@ -161,10 +161,22 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   assert never["per_seed"] == [None, None] and never["seconds_mean"] is None
   from specdraft.bench import readme
 
+  out["resumed_runs"] = ["none_seed0", "none_seed1"]
   text = readme.drift(out, "docs/results/drift")
+  assert "2 of the arm runs (A: AR rollouts) were found complete" in text
   assert "rollouts 2.00× faster" in text and "r = 0.67" in text and "Welch test p" in text
   assert "| A: AR rollouts | 2.00 | 1.00 | 3.00 | 67% |" in text
   assert "| D: SD, co-trained DFlash |" in text
+
+
+def test_drift_counts_an_arm_run_as_resumed_only_when_its_log_has_every_step(tmp_path):
+  from specdraft.bench import drift
+
+  assert not drift._complete_rl_run(str(tmp_path), 3)  # no log yet
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+  assert not drift._complete_rl_run(str(tmp_path), 3)  # killed after 2 of 3 steps
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+  assert drift._complete_rl_run(str(tmp_path), 3)
 
 
 def test_drift_arms_name_a_rollout_draft_and_optionally_a_draft_kind():

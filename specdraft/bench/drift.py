@@ -71,7 +71,7 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       dparams_by_kind[kind] = loop.draft_phase(kctx, params)[0]
       tau_start_by_kind[kind] = tau_by_temperature(kctx, params, dparams_by_kind[kind])
 
-  runs, tau_end = {}, {}
+  runs, tau_end, resumed = {}, {}, []
   for arm in config.drift.arms:
     draft_mode, kind = parse_arm(arm, config.draft.kind)
     dparams = dparams_by_kind[kind]
@@ -79,6 +79,8 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       c = _arm_config(config, arm)
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
       ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
+      if _complete_rl_run(ctx.workdir, config.rl.steps):
+        resumed.append(f"{arm}_seed{seed}")  # its RL phase is restored, not re-run
       state, _ = loop.rl_phase(ctx, params, dparams)
       runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
       if draft_mode != "none":  # the draft the arm rolls out with at its end, against its policy
@@ -96,6 +98,9 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     tau_end=tau_end,
     tau_start_by_kind=tau_start_by_kind,
   )
+  # Arm runs found complete in run_dir (an earlier run's checkpoints and logs): their timings
+  # and rewards were measured then, not in this run.
+  summary["resumed_runs"] = resumed
   summary = provenance.write_results(
     workdir, summary, goals=provenance.goals_from_config(config.drift.goals)
   )
@@ -103,6 +108,15 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   print(json.dumps(summary, indent=2))
   print(provenance.goals_table(summary["goals"]), flush=True)
   return summary
+
+
+def _complete_rl_run(workdir: str, steps: int) -> bool:
+  """Whether `workdir` holds an RL phase's log with all `steps` steps."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    return sum(1 for line in f if line.strip()) >= steps
 
 
 def tau_by_temperature(ctx, params, dparams) -> dict:

@@ -484,6 +484,15 @@ def drift(r: dict, rel_dir: str) -> str:
       f"Final reward C − A: {_f(d['diff'], 3)}, 95% Welch t-interval {_interval(d['ci95'])}{p}."
     )
     lines.append("")
+  resumed = r.get("resumed_runs")
+  if resumed:  # measured by an earlier run of the same experiment, restored from run_dir
+    arms = sorted({name.rsplit("_seed", 1)[0] for name in resumed})
+    lines.append(
+      f"{len(resumed)} of the arm runs ({', '.join(ARM_NAMES.get(a, a) for a in arms)}) were "
+      "found complete in the run directory and restored, so their figures were measured by an "
+      "earlier run of this experiment; the results file lists them (`resumed_runs`)."
+    )
+    lines.append("")
   names = ["tau", "reward"] + (["entropy", "rollout_seconds"] if "speed" in r else [])
   for name in names:
     lines.append(f"![drift {name}]({rel_dir}/drift_{name}.png)")
