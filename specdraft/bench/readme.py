@@ -486,7 +486,7 @@ def drift(r: dict, rel_dir: str) -> str:
     lines.append("")
   resumed = r.get("resumed_runs")
   if resumed:  # measured by an earlier run of the same experiment, restored from run_dir
-    arms = sorted({name.rsplit("_seed", 1)[0] for name in resumed})
+    arms = list(dict.fromkeys(name.rsplit("_seed", 1)[0] for name in resumed))
     lines.append(
       f"{len(resumed)} of the arm runs ({', '.join(ARM_NAMES.get(a, a) for a in arms)}) were "
       "found complete in the run directory and restored, so their figures were measured by an "
