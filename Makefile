@@ -40,11 +40,11 @@ notebooks: $(STAMP)
 	$(BIN)/python -m pytest tests/test_notebooks.py --durations=10
 
 lint: $(STAMP)
-	$(BIN)/ruff check specdraft configs experiments tests
-	$(BIN)/ruff format --check specdraft configs experiments tests
+	$(BIN)/ruff check specdraft configs experiments tests scripts
+	$(BIN)/ruff format --check specdraft configs experiments tests scripts
 
 format: $(STAMP)
-	$(BIN)/ruff format specdraft configs experiments tests
+	$(BIN)/ruff format specdraft configs experiments tests scripts
 
 clean:
 	rm -rf $(VENV) runs

@@ -161,8 +161,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # held-out accuracy is always greedy.
   c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, num_draft=5))
   c.eval = ml_collections.ConfigDict(
-    dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0)
-  )
+    dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0, report_repeats=3)
+  )  # report_repeats: timed repeats of the final SD-vs-AR report (0: no report)
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
   # Training steps (train/sequence.py): attention tiles (query rows and keys per tile), the
   # sequence chunk in which logits are formed (0 = the whole row at once), and per-layer

@@ -14,6 +14,12 @@ from specdraft import devices  # noqa: E402  (imports no JAX)
 # device count once). Not under a multi-process launch, on GPU/TPU, or over a count already set.
 devices.simulate_cpu_devices(sys.argv)
 
+from specdraft.parallel import multihost  # noqa: E402
+
+# A multi-process run (--coordinator_address/--num_processes/--process_id, the launcher's
+# environment, SLURM or a TPU slice) joins JAX's distributed runtime before anything else.
+multihost.initialize(sys.argv)
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -21,13 +27,15 @@ from specdraft.train.loop import summary_table, train_and_evaluate  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
+multihost.define_flags()
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)
   summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  print(summary_table(summary))
+  if multihost.is_primary():
+    print(summary_table(summary))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ def _validate_decoding(config) -> None:
   ):
     if value < 0:
       _fail(field, value, "must be >= 0 (0 = greedy)")
+  repeats = config.eval.get("report_repeats", 3)
+  if not isinstance(repeats, int) or repeats < 0:
+    _fail("eval.report_repeats", repeats, "must be an integer >= 0 (0 = no SD-vs-AR report)")
   rl = config.rl
   top_k, top_p = rl.get("top_k", 0), rl.get("top_p", 1.0)
   if int(top_k) != top_k or top_k < 0:

@@ -170,6 +170,9 @@ def simulate_cpu_devices(
   if n <= 1:
     return None
   reason = blocked(environ)
+  procs = _flag_values(argv, "num_processes")
+  if reason is None and procs and procs[-1].isdigit() and int(procs[-1]) > 1:
+    reason = f"--num_processes={procs[-1]} (a multi-process launch: each process uses its devices)"
   if reason is not None:
     if not quiet and COUNT_FLAG not in environ.get("XLA_FLAGS", ""):
       print(f"specdraft: not simulating {n} CPU devices for {what}: {reason}", file=sys.stderr)

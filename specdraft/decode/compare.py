@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from specdraft.decode import autoregressive, speculative
+from specdraft.parallel import multihost
 
 
 def compare_rollouts(
@@ -210,8 +211,8 @@ def generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) 
 
 def greedy_agreement(run_ar, run_sd, key) -> dict:
   """`greedy_equal`: temperature-0 SD tokens == AR tokens on every row, exactly."""
-  ar_BN = np.asarray(run_ar(key, 0.0).tokens)
-  sd_BN = np.asarray(run_sd(key, 0.0).tokens)
+  ar_BN = multihost.to_host(run_ar(key, 0.0).tokens)
+  sd_BN = multihost.to_host(run_sd(key, 0.0).tokens)
   rows_differ = ~np.all(ar_BN == sd_BN, axis=1)
   return {
     "greedy_equal": bool(not rows_differ.any()),
@@ -228,9 +229,9 @@ def _seconds(fn, key, temperature):
 def decoding_figures(gen) -> dict:
   """tokens, policy passes per token and, for SD, tau and per-position acceptance (accepted /
   reached) of one Generation, as defined in the module docstring."""
-  stats = jax.device_get(gen.stats)
+  stats = jax.tree.map(multihost.to_host, gen.stats)
   batch = int(gen.lengths.shape[0])
-  tokens = int(np.sum(gen.lengths))
+  tokens = int(np.sum(multihost.to_host(gen.lengths)))
   out = {
     "tokens": tokens,
     "policy_passes_per_token": int(stats["policy_passes"]) * batch / max(tokens, 1),

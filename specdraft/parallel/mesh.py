@@ -147,10 +147,15 @@ def rows_sharding(mesh, rules, ndim: int = 1) -> NamedSharding:
 
 
 def shard_rows(tree, mesh, rules):
-  """device_put every [rows, ...] leaf with its rows sharded by the 'rows' rule."""
-  return jax.device_put(tree, jax.tree.map(lambda x: rows_sharding(mesh, rules, x.ndim), tree))
+  """Every [rows, ...] leaf placed with its rows sharded by the 'rows' rule (host leaves the same
+  on every process of a multi-process run)."""
+  from specdraft.parallel import multihost
+
+  return multihost.put_tree(tree, jax.tree.map(lambda x: rows_sharding(mesh, rules, x.ndim), tree))
 
 
 def shard_batch(tree, mesh, rules):
-  """device_put every [B, ...] leaf with its batch dimension sharded by the 'batch' rule."""
-  return jax.device_put(tree, jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim), tree))
+  """Every [B, ...] leaf placed with its batch dimension sharded by the 'batch' rule."""
+  from specdraft.parallel import multihost
+
+  return multihost.put_tree(tree, jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim), tree))

@@ -39,12 +39,35 @@ def pad_row(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
   }
 
 
+def _shard(source, shard: tuple[int, int]) -> grain.MapDataset:
+  """Records j, j + n, j + 2n, ... of `source` for shard (j, n); the whole source for n = 1."""
+  j, n = shard
+  if not 0 <= j < n:
+    raise ValueError(f"data shard {j} of {n} does not exist")
+  ds = grain.MapDataset.source(source)
+  if n > 1:
+    if len(ds) < n:
+      raise ValueError(f"{len(ds)} records cannot feed {n} data shards")
+    ds = ds[j::n]
+  return ds
+
+
 def sft_dataset(
-  source, tok: CharTokenizer, *, batch_size: int, seq_len: int, packing: bool, seed: int
+  source,
+  tok: CharTokenizer,
+  *,
+  batch_size: int,
+  seq_len: int,
+  packing: bool,
+  seed: int,
+  shard: tuple[int, int] = (0, 1),
 ) -> grain.IterDataset:
-  """Endless shuffled SFT batches; iterators expose get_state/set_state for exact resume."""
+  """Endless shuffled SFT batches; iterators expose get_state/set_state for exact resume.
+
+  `shard=(j, n)`: the stream of data shard j of n (every n-th record from the j-th), packed on
+  its own; a run with n data-parallel slices builds one per slice (train/shards.py)."""
   ds = (
-    grain.MapDataset.source(source)
+    _shard(source, shard)
     .seed(seed)
     .shuffle()
     .repeat(None)
@@ -86,9 +109,16 @@ def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
 
 
 def prompt_dataset(
-  source, tok: CharTokenizer, *, batch_size: int, prompt_len: int, seed: int
+  source,
+  tok: CharTokenizer,
+  *,
+  batch_size: int,
+  prompt_len: int,
+  seed: int,
+  shard: tuple[int, int] = (0, 1),
 ) -> grain.IterDataset:
-  """Endless shuffled prompt batches: prompts [B,P], prompt_lengths [B], prompt/answer texts."""
+  """Endless shuffled prompt batches: prompts [B,P], prompt_lengths [B], prompt/answer texts
+  (of data shard `shard` = (j, n), as in `sft_dataset`)."""
 
   def enc(r):
     ex = to_example(r)
@@ -102,5 +132,5 @@ def prompt_dataset(
       "answer_text": ex.answer,
     }
 
-  ds = grain.MapDataset.source(source).seed(seed).shuffle().repeat(None).map(enc)
+  ds = _shard(source, shard).seed(seed).shuffle().repeat(None).map(enc)
   return ds.to_iter_dataset().batch(batch_size, drop_remainder=True)

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec
 
 from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
+from specdraft.parallel import multihost
 from specdraft.tasks import CharTokenizer, loader
 
 # Long prompt buffers are padded to a multiple of this: prefill attends in tiles (up to 512 rows)
@@ -55,7 +56,7 @@ def evaluate(
       max_new_tokens=max_new_tokens,
       temperature=0.0,
     )
-    for ex, row in zip(chunk, np.asarray(gen.tokens)):
+    for ex, row in zip(chunk, multihost.to_host(gen.tokens)):
       completion = tok.decode(row)
       rewards.append(task.reward(ex, completion))
       if len(samples) < 4:
@@ -68,7 +69,7 @@ def _place_rows(prompts_BS, lengths_B, sharding):
   if sharding is None:
     return prompts_BS, lengths_B
   rows = sharding.update(spec=PartitionSpec(*sharding.spec[:1]))
-  return jax.device_put((prompts_BS, lengths_B), (sharding, rows))
+  return multihost.put(prompts_BS, sharding), multihost.put(lengths_B, rows)
 
 
 def held_out_prompts(ctx):

@@ -16,6 +16,9 @@ import json
 import os
 import time
 
+import jax
+
+from specdraft.parallel import multihost
 from specdraft.train.evaluate import rollout_report
 from specdraft.train.phases import Context, draft_phase, init_draft, rl_phase, sft_phase
 from specdraft.train.report import summarise, summary_table, write_plots
@@ -71,16 +74,21 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
 
   # 4. SD vs AR on the final checkpoint, once every phase has finished.
   rollout = None
-  if done and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
-    rollout = rollout_report(ctx, params, dparams)
+  repeats = int(config.eval.get("report_repeats", 3))
+  if done and repeats > 0 and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
+    rollout = rollout_report(ctx, params, dparams, repeats=repeats)
   lap("report")
 
-  # 5. Plots and the summary.
-  write_plots(workdir, config, ttt_steps=ctx.dcfg.ttt_steps)
+  # 5. Plots and the summary (process 0 writes them; every process returns the summary).
+  multihost.sync("specdraft: logs written")
+  if multihost.is_primary():
+    write_plots(workdir, config, ttt_steps=ctx.dcfg.ttt_steps)
   summary = summarise(workdir, config, rollout)
   lap("plots")
   summary["phase_seconds"] = phase_seconds
   summary["wall_seconds"] = time.time() - t_start
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  summary["processes"] = jax.process_count()
+  if multihost.is_primary():
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   return summary

@@ -32,12 +32,13 @@ from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import drafts
 from specdraft.parallel import mesh as mesh_lib
+from specdraft.parallel import multihost
 from specdraft.rl import grpo
 from specdraft.tasks import CharTokenizer, Example, loader, make_task
 from specdraft.tasks import datasets as task_data
 from specdraft.train import checkpoint as ckpt_lib
 from specdraft.train import draft as draft_lib
-from specdraft.train import sequence
+from specdraft.train import sequence, shards
 from specdraft.train import state as state_lib
 from specdraft.train import step as step_lib
 from specdraft.train.evaluate import evaluate, prompt_len_for
@@ -53,8 +54,13 @@ class Context:
     self.config, self.workdir = config, workdir
     self.task = make_task(config.task)
     self.tok = CharTokenizer()
+    # Process 0 generates the task's files (once per data_dir); the others then read them.
+    if not multihost.is_primary():
+      multihost.sync("specdraft: task data prepared")
     self.train_src = task_data.data_source(config.task, config.data.data_dir, "train")
     test_src = task_data.data_source(config.task, config.data.data_dir, "test")
+    if multihost.is_primary():
+      multihost.sync("specdraft: task data prepared")
     n_eval = min(config.eval.num_examples, len(test_src))
     self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
     self.pcfg = state_lib.policy_config(config)
@@ -62,6 +68,8 @@ class Context:
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
     self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
+    self.rows_sh1 = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=1)
+    self._lay_out_jit = {}
     # Pipeline layouts (pp > 1): training steps run the policy as a pipeline over 'pp' with the
     # draft on the last stage; rollouts and evaluation run the unpipelined decoder.
     self.pipeline = None
@@ -76,10 +84,60 @@ class Context:
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
-  def training_batch(self, batch: dict) -> dict:
-    """A host batch laid out once (padded, zigzag order over cp) and placed on the mesh."""
+  def training_batch(self, blocks: dict[int, dict], num_shards: int) -> dict:
+    """The global training batch from this process's data shards ({shard j: host batch}), each
+    laid out (padded, zigzag order over cp) on the host and placed on the mesh."""
+    keep = lambda b: {k: v for k, v in b.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
+    laid = {j: sequence.lay_out(keep(b), self.cp) for j, b in blocks.items()}
+    first = next(iter(laid.values()))
+    rows = len(first["tokens"])
+    shardings = sequence.batch_shardings(first, self.mesh, self.rules)
+    return {
+      k: multihost.assemble({j: b[k] for j, b in laid.items()}, rows, num_shards, shardings[k])
+      for k in first
+    }
+
+  def device_training_batch(self, batch: dict) -> dict:
+    """A training batch already on the mesh (rollouts) laid out there and resharded."""
     keep = {k: v for k, v in batch.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
-    return sequence.shard(sequence.lay_out(keep, self.cp), self.mesh, self.rules)
+    key = tuple((k, v.shape) for k, v in sorted(keep.items()))
+    if key not in self._lay_out_jit:
+      lay = functools.partial(sequence.lay_out, cp=self.cp)
+      out = sequence.batch_shardings(jax.eval_shape(lay, keep), self.mesh, self.rules)
+      self._lay_out_jit[key] = jax.jit(lay, out_shardings=out)
+    return self._lay_out_jit[key](keep)
+
+  def prompt_stream(self, units: int, *, seed_offset: int, rows_per_unit: int = 1):
+    """Endless shuffled prompt batches of the training split in data shards (a resumable
+    stream; `units` prompts a batch, each rolled out `rows_per_unit` times)."""
+    c = self.config
+    make = lambda j, n: loader.prompt_dataset(
+      self.train_src,
+      self.tok,
+      batch_size=units // n,
+      prompt_len=self.prompt_len,
+      seed=c.data.shuffle_seed + seed_offset,
+      shard=(j, n),
+    )
+    return shards.ShardedStream(
+      make,
+      units=units,
+      mesh=self.mesh,
+      rules=self.rules,
+      sharding=self.rows_sh,
+      rows_per_unit=rows_per_unit,
+    )
+
+  def place_prompts(self, stream, pb: dict[int, dict], repeat: int = 1):
+    """(prompts [rows, P], lengths [rows]) on the mesh from this process's prompt shards, each
+    prompt repeated `repeat` times (a rollout group)."""
+    n, per = stream.num_shards, stream.rows_per_shard
+    prompts = {j: np.repeat(b["prompts"], repeat, axis=0) for j, b in pb.items()}
+    lengths = {j: np.repeat(b["prompt_lengths"], repeat, axis=0) for j, b in pb.items()}
+    return (
+      multihost.assemble(prompts, per, n, self.rows_sh),
+      multihost.assemble(lengths, per, n, self.rows_sh1),
+    )
 
   def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
     return ckpt_lib.Checkpointer(
@@ -135,7 +193,13 @@ def run_phase(ctx: Context, phase: Phase, state, stop_after: int | None = None):
   if start == 0 and phase.evaluate is not None:
     elog.write({"step": 0, **phase.evaluate(state)})
   last = phase.steps if stop_after is None else min(phase.steps, stop_after)
-  bar = progress(range(start, last), desc=phase.label, initial=start, total=phase.steps)
+  bar = progress(
+    range(start, last),
+    desc=phase.label,
+    initial=start,
+    total=phase.steps,
+    disable=not multihost.is_primary(),
+  )
   t_logged, step_logged = time.perf_counter(), start
   for i in bar:
     state, metrics = phase.step(state, next(phase.data))
@@ -151,9 +215,11 @@ def run_phase(ctx: Context, phase: Phase, state, stop_after: int | None = None):
     if phase.evaluate is not None and due(phase.eval_every):
       record = phase.evaluate(state)
       elog.write({"step": step, **record})
-      bar.write(f"{phase.label} step {step}: greedy test accuracy {record['accuracy']:.3f}")
+      if multihost.is_primary():
+        bar.write(f"{phase.label} step {step}: greedy test accuracy {record['accuracy']:.3f}")
     if due(ctx.config.checkpoint.every):
-      ckpt.save(step, state, {"data_iter": phase.data.get_state()})
+      # every shard's iterator state, gathered from the processes that build them
+      ckpt.save(step, state, {"data_iter": phase.data.global_state()})
   bar.close()
   ckpt.close()
   return state, last == phase.steps
@@ -162,7 +228,8 @@ def run_phase(ctx: Context, phase: Phase, state, stop_after: int | None = None):
 def host_metrics(metrics) -> dict:
   """Metrics on the host: array scalars as floats (other arrays dropped), the rest as is."""
   out = {}
-  for k, v in jax.device_get(metrics).items():
+  fetch = lambda x: multihost.to_host(x) if isinstance(x, jax.Array) else x
+  for k, v in jax.tree.map(fetch, metrics).items():
     if isinstance(v, np.ndarray | np.generic):
       if np.ndim(v) == 0:
         out[k] = float(v)
@@ -177,15 +244,21 @@ def host_metrics(metrics) -> dict:
 def sft_phase(ctx: Context, stop_after: int | None = None):
   """Supervised fine-tuning of the policy; returns (params, finished)."""
   c = ctx.config
-  data = iter(
-    loader.sft_dataset(
-      ctx.train_src,
-      ctx.tok,
-      batch_size=c.data.batch_size,
-      seq_len=c.data.seq_len,
-      packing=c.data.packing,
-      seed=c.data.shuffle_seed,
-    )
+  make = lambda j, n: loader.sft_dataset(
+    ctx.train_src,
+    ctx.tok,
+    batch_size=c.data.batch_size // n,
+    seq_len=c.data.seq_len,
+    packing=c.data.packing,
+    seed=c.data.shuffle_seed,
+    shard=(j, n),
+  )
+  data = shards.ShardedStream(
+    make,
+    units=c.data.batch_size,
+    mesh=ctx.mesh,
+    rules=ctx.rules,
+    sharding=mesh_lib.batch_sharding(ctx.mesh, ctx.rules, ndim=2),
   )
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
   state = state_lib.init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
@@ -207,7 +280,7 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     label="sft",
     steps=c.sft.steps,
     data=data,
-    step=lambda state, batch: train_step(state, ctx.training_batch(batch)),
+    step=lambda state, batch: train_step(state, ctx.training_batch(batch, data.num_shards)),
     log_every=c.sft.log_every,
     metrics_log="sft_metrics.jsonl",
     postfix={"loss": "loss", "tok_acc": "token_accuracy"},
@@ -258,32 +331,19 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
     out_shardings=(replicated, None),
     donate_argnums=0,
   )
-  shard = lambda pb: mesh_lib.shard_rows((pb["prompts"], pb["prompt_lengths"]), ctx.mesh, ctx.rules)
+  data = ctx.prompt_stream(dc.batch_size, seed_offset=1)
   phase = Phase(
     name="draft",
     label="draft",
     steps=dc.pretrain_steps,
-    data=_prompts(ctx, dc.batch_size, seed_offset=1),
-    step=lambda state, pb: step_fn(state, params, *shard(pb)),
+    data=data,
+    step=lambda state, pb: step_fn(state, params, *ctx.place_prompts(data, pb)),
     log_every=dc.log_every,
     metrics_log="draft_metrics.jsonl",
     postfix={"loss": "draft_loss", "acc0": "ttt_acc_0"},
   )
   state, finished = run_phase(ctx, phase, state, stop_after)
   return state["params"], finished
-
-
-def _prompts(ctx: Context, batch_size: int, *, seed_offset: int):
-  """Endless shuffled prompt batches of the training split (a resumable grain iterator)."""
-  return iter(
-    loader.prompt_dataset(
-      ctx.train_src,
-      ctx.tok,
-      batch_size=batch_size,
-      prompt_len=ctx.prompt_len,
-      seed=ctx.config.data.shuffle_seed + seed_offset,
-    )
-  )
 
 
 # ----------------------------------------------------------------------------- RL
@@ -325,12 +385,13 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
     donate_argnums=0,
   )
   rollout_step = _rollout_step(ctx)
+  data = ctx.prompt_stream(rl.prompts_per_step, seed_offset=2, rows_per_unit=rl.group_size)
   phase = Phase(
     name="rl",
     label=f"rl ({c.rollout.draft})",
     steps=rl.steps,
-    data=_prompts(ctx, rl.prompts_per_step, seed_offset=2),
-    step=lambda state, pb: _rl_iteration(ctx, rollout_step, train_step, state, pb),
+    data=data,
+    step=lambda state, pb: _rl_iteration(ctx, data, rollout_step, train_step, state, pb),
     log_every=1,
     metrics_log="metrics.jsonl",
     postfix={"reward": "reward_mean", "tau": "accept_len"},
@@ -362,38 +423,49 @@ def _rollout_step(ctx: Context):
   def rollout_step(trainable, key_data, prompts_BS, lengths_B):
     key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
     gen = generate(trainable, prompts_BS, lengths_B, sub)
+    # rows stay where their prompts were: each process scores the rows of its data shards
+    gen = gen._replace(tokens=jax.lax.with_sharding_constraint(gen.tokens, ctx.rows_sh))
     return gen, join_prompt_completion(prompts_BS, lengths_B, gen), jax.random.key_data(key)
 
   return rollout_step
 
 
-def _rl_iteration(ctx: Context, rollout_step, train_step, state, pb):
-  """One RL step: group rollouts -> rewards -> group advantages -> co-training step."""
+def _rl_iteration(ctx: Context, stream, rollout_step, train_step, state, pb):
+  """One RL step: group rollouts -> rewards -> group advantages -> co-training step.
+
+  Rows are sharded over (data, fsdp, cp): every device decodes its own rows, and every process
+  decodes and scores (host code) the rows its devices hold. The rewards are gathered, so the
+  advantages are taken over whole groups even when a group spans processes."""
   rl = ctx.config.rl
   group = rl.group_size  # rollouts per prompt
-  prompts_BS = np.repeat(pb["prompts"], group, axis=0)
-  lengths_B = np.repeat(pb["prompt_lengths"], group, axis=0)
   t0 = time.perf_counter()
-  # rows over (data, fsdp, cp): every device decodes its own rows
-  inputs = mesh_lib.shard_rows((prompts_BS, lengths_B), ctx.mesh, ctx.rules)
+  inputs = ctx.place_prompts(stream, pb, repeat=group)
   gen, batch, key_data = jax.block_until_ready(rollout_step(state["params"], state["key"], *inputs))
   rollout_s = time.perf_counter() - t0
-  texts = [ctx.tok.decode(row) for row in np.asarray(gen.tokens)]
-  examples = [
-    Example(str(p), str(a))
-    for p, a in zip(np.repeat(pb["prompt_text"], group), np.repeat(pb["answer_text"], group))
-  ]
-  rewards = np.asarray([ctx.task.reward(e, t) for e, t in zip(examples, texts)], np.float32)
-  advantages = grpo.group_advantages(jnp.asarray(rewards), group, mode=rl.advantage)
-  batch = ctx.training_batch(jax.device_get(dict(batch, advantages=advantages)))
+  per = stream.rows_per_shard
+  scored = {}
+  for r, row in multihost.host_rows(gen.tokens).items():
+    j, i = divmod(r, per)
+    b = pb[j]
+    text = ctx.tok.decode(row)
+    ex = Example(str(b["prompt_text"][i // group]), str(b["answer_text"][i // group]))
+    fmt = ctx.task.format_of(text) if hasattr(ctx.task, "format_of") else None
+    scored[r] = (float(ctx.task.reward(ex, text)), fmt)
+  scored = multihost.gather_rows(scored)
+  rows = stream.num_shards * per
+  rewards = np.asarray([scored[r][0] for r in range(rows)], np.float32)
+  formats = [scored[r][1] for r in range(rows)]
+  advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group, mode=rl.advantage))
+  adv = multihost.put(advantages, ctx.rows_sh1)
+  batch = ctx.device_training_batch(dict(batch, advantages=adv))
   t1 = time.perf_counter()
   state, metrics = jax.block_until_ready(train_step(dict(state, key=key_data), batch))
-  m = _rollout_metrics(ctx, gen, rewards, texts)
+  m = _rollout_metrics(ctx, gen, rewards, formats)
   m.update(host_metrics(metrics), rollout_seconds=rollout_s, train_seconds=time.perf_counter() - t1)
   return state, m
 
 
-def _rollout_metrics(ctx: Context, gen, rewards, texts) -> dict:
+def _rollout_metrics(ctx: Context, gen, rewards, formats) -> dict:
   """Reward, accuracy, tau (accept_len), passes/token, length and answer formats of a batch."""
   fig = decoding_figures(gen)
   m = {
@@ -407,6 +479,5 @@ def _rollout_metrics(ctx: Context, gen, rewards, texts) -> dict:
     "draft_loss": None,  # overwritten by the step's metrics when the draft trains
   }
   if hasattr(ctx.task, "format_of"):
-    fmts = [ctx.task.format_of(t) for t in texts]
-    m["format_share"] = {f: fmts.count(f) / len(fmts) for f in sorted(set(fmts))}
+    m["format_share"] = {f: formats.count(f) / len(formats) for f in sorted(set(formats))}
   return m

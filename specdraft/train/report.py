@@ -20,6 +20,12 @@ def progress(iterable, **kw):
   return tqdm(iterable, dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10.0, **kw)
 
 
+def _primary() -> bool:
+  import jax
+
+  return jax.process_index() == 0
+
+
 class RunLog:
   """Append-only JSONL metrics that a resumed run truncates back to its checkpoint step."""
 
@@ -27,7 +33,7 @@ class RunLog:
     self.path = path
 
   def truncate_after(self, step: int) -> None:
-    if not os.path.exists(self.path):
+    if not _primary() or not os.path.exists(self.path):
       return
     with open(self.path) as f:
       keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
@@ -35,6 +41,8 @@ class RunLog:
       f.writelines(keep)
 
   def write(self, record: dict) -> None:
+    if not _primary():  # one process writes a multi-process run's (global) metrics
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
 

@@ -90,8 +90,10 @@ def batch_shardings(batch: dict, mesh, rules) -> dict:
 
 
 def shard(batch: dict, mesh, rules):
-  """device_put a laid-out batch with `batch_shardings`."""
-  return jax.device_put(batch, batch_shardings(batch, mesh, rules))
+  """A laid-out batch placed with `batch_shardings` (host arrays: the same on every process)."""
+  from specdraft.parallel import multihost
+
+  return multihost.put_tree(batch, batch_shardings(batch, mesh, rules))
 
 
 def cp_size(mesh, axis: str = "cp") -> int:

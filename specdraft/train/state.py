@@ -40,7 +40,7 @@ def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int):
     transform_non_params=lambda _: replicated(mesh),
   )
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-  step = jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))
+  step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=replicated(mesh))()
   return {"step": step, "params": params, "opt_state": opt_state}
 
 
