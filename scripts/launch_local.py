@@ -85,10 +85,14 @@ def launch(
     procs.append(p)
     pumps.append(t)
   start, status = time.monotonic(), None
+  previous = _stop_on_sigterm()
   try:
     while status is None:
       codes = [p.poll() for p in procs]
-      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      # several found failed in one poll: a killed process (a signal) is the likelier cause
+      failed = sorted(
+        ((i, c) for i, c in enumerate(codes) if c not in (None, 0)), key=lambda f: f[1] >= 0
+      )
       if failed:
         i, c = failed[0]
         out.write(f"[launch] process {i} exited with status {_exit_code(c)}; stopping the others\n")
@@ -99,15 +103,30 @@ def launch(
         out.write(f"[launch] timed out after {timeout:g} s; stopping every process\n")
         status = 124
       else:
-        time.sleep(0.1)
+        time.sleep(0.05)
   except KeyboardInterrupt:
     status = 130
   finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
     _stop(procs, grace_s)
     for t in pumps:
       t.join(timeout=5)
     out.flush()
   return status
+
+
+def _stop_on_sigterm():
+  """SIGTERM to the launcher stops its processes too (as Ctrl-C does); returns the previous
+  handler (None off the main thread, where no handler can be set)."""
+
+  def handler(signum, frame):
+    raise KeyboardInterrupt
+
+  try:
+    return signal.signal(signal.SIGTERM, handler)
+  except ValueError:
+    return None
 
 
 def _stop(procs, grace_s: float) -> None:

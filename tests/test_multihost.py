@@ -128,33 +128,43 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir):
-  """One process, 8 devices: the logs of each layout's run, computed once."""
+  """One process, 8 devices: the logs of each layout's run (and overrides), computed once."""
   cache = {}
 
-  def run(layout: str):
-    if layout not in cache:
+  def run(layout: str, **extra):
+    key = (layout, tuple(sorted(extra.items())))
+    if key not in cache:
       wd = str(tmp_path_factory.mktemp(f"one_{layout}"))
-      loop.train_and_evaluate(_config(layout, data_dir), wd)
-      cache[layout] = _logs(wd)
-    return cache[layout]
+      loop.train_and_evaluate(_config(layout, data_dir, **extra), wd)
+      cache[key] = _logs(wd)
+    return cache[key]
 
   return run
 
 
-def _two_processes(layout, data_dir, workdir):
-  proc = _launch(2, 4, _command(layout, data_dir, workdir))
+def _two_processes(layout, data_dir, workdir, **extra):
+  proc = _launch(2, 4, _command(layout, data_dir, workdir, **extra))
   out, _ = proc.communicate(timeout=960)
   assert proc.returncode == 0, out[-4000:]
   return out
 
 
+# One prompt a step in groups of 8 rows: every group spans both processes, whose rewards must
+# be gathered before its advantages are taken.
+GROUPS_SPAN = {"rl.prompts_per_step": 1, "rl.group_size": 8}
+
 # ----------------------------------------------------------------------------- runs
 
 
 def test_two_processes_give_the_one_process_metrics_dp8(reference, data_dir, tmp_path):
-  out = _two_processes("dp8", data_dir, str(tmp_path / "two"))
+  out = _two_processes("dp8", data_dir, str(tmp_path / "two"), **GROUPS_SPAN)
   assert "process 1 of 2 joining" in out
-  _assert_same_logs(reference("dp8"), _logs(str(tmp_path / "two")))
+  # each process builds the data shards of its devices' rows only: 8 SFT shards (one per
+  # data-parallel slice), 4 each; the one prompt a step is one shard that both need
+  assert "[p0] sft: process 0 builds data shards [0, 1, 2, 3] of 8" in out
+  assert "[p1] sft: process 1 builds data shards [4, 5, 6, 7] of 8" in out
+  assert "[p1] rl (cotrained): process 1 builds data shards [0] of 1" in out
+  _assert_same_logs(reference("dp8", **GROUPS_SPAN), _logs(str(tmp_path / "two")))
   # one process wrote them: no line twice
   assert len(_read(str(tmp_path / "two" / "metrics.jsonl"))) == OVERRIDES["rl.steps"]
 
@@ -193,11 +203,12 @@ def test_a_run_killed_in_one_process_resumes_exactly(reference, data_dir, tmp_pa
   proc = _launch(2, 4, _command("dp8", data_dir, wd))
   victim = _child_with_process_id(proc.pid, 1, time.time() + 60)
   metrics = os.path.join(wd, "metrics.jsonl")
+  saved = os.path.join(wd, "checkpoints", "rl", "2")  # orbax renames it there once complete
   deadline = time.time() + 900
   while time.time() < deadline and proc.poll() is None:
-    if len(_read(metrics)) >= 3:  # the RL checkpoint at step 2 exists
+    if os.path.isdir(saved):  # the RL checkpoint at step 2 exists: kill during steps 3-4
       break
-    time.sleep(0.2)
+    time.sleep(0.05)
   assert proc.poll() is None, "the run ended before it could be killed"
   os.kill(victim, signal.SIGKILL)
   out, _ = proc.communicate(timeout=120)
@@ -263,6 +274,18 @@ def test_settings_come_from_flags_or_the_environment_and_bad_ones_are_named():
   s = multihost.settings(["x", "--process_id=3", "--init_timeout", "30"], env)
   assert s["process_id"] == 3 and s["init_timeout"] == 30  # flags win over the environment
   assert multihost.settings(["x"], {})["num_processes"] is None
+  assert multihost.settings(["x", "--distributed=auto"], {})["distributed"] == "auto"
+  # a SLURM job step of several tasks (srun) is a launch; a plain python in an allocation is not
+  srun = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_NODELIST": "n[1-2]",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
+  }
+  assert multihost._cluster_launch(srun) == "SLURM"
+  assert multihost._cluster_launch({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) is None
+  assert multihost._cluster_launch(dict(srun, SLURM_STEP_NUM_TASKS="1")) is None
   assert multihost.initialize(["x"], {}) == 1  # a single process: nothing to join
   for argv, environ, message in [
     (["x", "--num_processes=2"], {}, "--num_processes=2 also needs --coordinator_address"),
@@ -270,6 +293,7 @@ def test_settings_come_from_flags_or_the_environment_and_bad_ones_are_named():
     (["x", "--num_processes=two"], {}, "--num_processes='two' is invalid"),
     (["x"], dict(env, JAX_PROCESS_ID="4"), "expected 0 <= process_id < 4"),
     (["x", "--init_timeout=0"], {}, "--init_timeout=0 is invalid"),
+    (["x", "--distributed=yes"], {}, "expected 'auto'"),
   ]:
     with pytest.raises(ValueError, match=message):
       multihost.settings(argv, environ)
@@ -336,10 +360,26 @@ def test_a_sharded_stream_is_the_plain_stream_for_one_shard_and_resumes_per_shar
   # the global batch is the shards' rows in order
   arr = multihost.assemble({j: first[j]["tokens"] for j in first}, 1, 8, sh)
   assert np.array_equal(np.asarray(arr), np.concatenate([first[j]["tokens"] for j in range(8)]))
-  # a state of one plain stream (a checkpoint from before data shards) restores one shard
-  one.set_state(plain.get_state())
+  # a state of one plain stream (a checkpoint from before data shards) restores one shard...
+  mark = plain.get_state()
+  want = [next(plain) for _ in range(2)]
+  one.set_state(mark)
+  for w in want:
+    got = next(one)[0]
+    assert all(np.array_equal(got[k], w[k]) for k in w)
+  # ...but cannot be continued by a run of several shards, and a missing shard is named
+  with pytest.raises(ValueError, match="written before data shards"):
+    s2.set_state(mark)
   with pytest.raises(ValueError, match="this process needs"):
     s2.set_state({"0": state["0"]})
+  # shards shuffle with seeds of their own; one shard keeps the stream's seed
+  assert loader.shard_seed(5, (0, 1)) == 5
+  assert len({loader.shard_seed(5, (j, 8)) for j in range(8)}) == 8
+
+
+def test_a_workdir_that_is_not_a_local_path_is_refused_before_any_work(smoke_config):
+  with pytest.raises(ValueError, match="workdir='gs://bucket/run' is invalid"):
+    loop.Context(smoke_config, "gs://bucket/run")
 
 
 def test_to_host_and_gather_on_one_process():

@@ -180,6 +180,35 @@ def drafts_compare(r: dict) -> str:
   return head + "\n\n" + _table(header, rows)
 
 
+def drafts_markov(r: dict) -> str:
+  """configs/bench_drafts.py:markov: DFlash, DSpark and DSpark without its Markov head."""
+  k = r["config"]
+  kinds = k["kinds"]
+  name = lambda kind: "DSpark without its Markov head" if kind.endswith("markov_rank=0") else kind
+  rows = []
+  for x in r["rows"]:
+    row = [x["batch"]]
+    for kind in kinds:
+      d = x["by_draft"][kind]
+      row += [f"{_f(d['speedup'])}×", _f(d["tau"])]
+    rows.append(row)
+  header = ["batch"] + [c for kind in kinds for c in (f"{name(kind)} speedup", f"{name(kind)} τ")]
+  big = r["rows"][-1]  # the largest batch: the most rounds behind each rate
+  accept = "; ".join(
+    f"{name(kind)} " + " / ".join(_f(a) for a in big["by_draft"][kind]["accept_per_position"])
+    for kind in kinds
+  )
+  head = (
+    "### The Markov head: DSpark with and without it, beside DFlash\n\n"
+    f"The policy and setting of the drafts comparison above ({k['policy_layers']} layers, "
+    f"{k['sft_steps']} SFT steps; each draft distilled for {k['draft_steps']} steps; "
+    f"G = {k['num_draft']} proposals a round, temperature {k['temperature']:g}). DSpark without "
+    "its Markov head (`draft.block.markov_rank = 0`) is the same backbone with its slots "
+    f"sampled in parallel. Acceptance per proposal position at batch {big['batch']}: {accept}."
+  )
+  return head + "\n\n" + _table(header, rows)
+
+
 def step(r: dict) -> str:
   rows = [
     [
@@ -673,6 +702,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_num_draft/results.json", lambda r, d: num_draft_sweep(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
+  ("docs/results/bench_drafts_markov/results.json", lambda r, d: drafts_markov(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
   ("docs/results/bench_long/results.json", long),

@@ -32,12 +32,13 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-FLAGS = ("coordinator_address", "num_processes", "process_id", "init_timeout")
+FLAGS = ("coordinator_address", "num_processes", "process_id", "init_timeout", "distributed")
 ENV = {
   "coordinator_address": "JAX_COORDINATOR_ADDRESS",
   "num_processes": "JAX_NUM_PROCESSES",
   "process_id": "JAX_PROCESS_ID",
   "init_timeout": "SPECDRAFT_INIT_TIMEOUT",
+  "distributed": "SPECDRAFT_DISTRIBUTED",
 }
 DEFAULT_TIMEOUT_S = 300
 _initialized = False
@@ -60,6 +61,12 @@ def define_flags() -> None:
     None,
     f"Seconds to wait for every process to join (default {DEFAULT_TIMEOUT_S}).",
   )
+  flags.DEFINE_enum(
+    "distributed",
+    None,
+    ["auto"],
+    "auto: let JAX find the cluster's processes itself (a TPU VM slice, a cluster JAX knows).",
+  )
 
 
 def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict:
@@ -74,6 +81,10 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict:
     raw = vals[-1] if vals else environ.get(ENV[name])
     if raw in (None, ""):
       out[name] = None
+    elif name == "distributed":
+      if raw != "auto":
+        raise ValueError(f"--distributed={raw!r} is invalid: expected 'auto' (or leave it unset)")
+      out[name] = raw
     elif name == "coordinator_address":
       host, _, port = raw.rpartition(":")
       if not host or not port.isdigit():
@@ -104,11 +115,18 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict:
 
 
 def _cluster_launch(environ: Mapping[str, str]) -> str | None:
-  """A launcher JAX detects by itself (SLURM with several tasks, a multi-host TPU slice)."""
-  if int(environ.get("SLURM_NTASKS", "1") or 1) > 1 and environ.get("SLURM_JOB_ID"):
-    return "SLURM"
-  hosts = environ.get("TPU_WORKER_HOSTNAMES", "")
-  if "," in hosts:
+  """A multi-process launch JAX detects by itself: a SLURM job step of several tasks (`srun`
+  sets the step's variables; a plain `python` inside an allocation is one process), or a GKE
+  TPU slice of several workers. A TPU VM slice reached over ssh describes itself through its
+  metadata server instead: pass --distributed=auto there."""
+  step_vars = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+  if all(environ.get(v) for v in step_vars):
+    try:
+      if int(environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        return "SLURM"
+    except ValueError:
+      pass
+  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "TPU slice"
   return None
 
@@ -129,7 +147,7 @@ def initialize(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
   if _initialized:
     return jax.process_count()
   if n is None or n == 1:
-    cluster = _cluster_launch(environ)
+    cluster = "auto" if s["distributed"] == "auto" else _cluster_launch(environ)
     if cluster is None or n == 1:
       return 1
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -189,10 +207,10 @@ def sync(name: str) -> None:
 def local_rows(sharding, num_rows: int) -> list[tuple[int, int]]:
   """Sorted, merged [start, stop) row ranges that this process's devices hold of an array of
   `num_rows` rows laid out by `sharding` (rows = dimension 0)."""
-  ndim = len(sharding.spec) if hasattr(sharding, "spec") else 1
-  shape = (num_rows,) + (1,) * max(ndim - 1, 0)
+  if hasattr(sharding, "spec"):  # rows only: the other dimensions' sharding does not matter
+    sharding = sharding.update(spec=jax.sharding.PartitionSpec(*sharding.spec[:1]))
   ranges = []
-  for idx in sharding.addressable_devices_indices_map(shape).values():
+  for idx in sharding.addressable_devices_indices_map((num_rows,)).values():
     r = idx[0] if idx else slice(None)
     ranges.append((r.start or 0, num_rows if r.stop is None else r.stop))
   merged = []

@@ -39,6 +39,13 @@ def pad_row(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
   }
 
 
+def shard_seed(seed: int, shard: tuple[int, int]) -> int:
+  """Shard j of n's shuffle seed: `seed` for one shard, else one of its own (one permutation for
+  every shard would put consecutive records side by side in each global batch)."""
+  j, n = shard
+  return seed if n == 1 else (seed * 1_000_003 + 7_919 * (j + 1)) % 2**31
+
+
 def _shard(source, shard: tuple[int, int]) -> grain.MapDataset:
   """Records j, j + n, j + 2n, ... of `source` for shard (j, n); the whole source for n = 1."""
   j, n = shard
@@ -68,7 +75,7 @@ def sft_dataset(
   its own; a run with n data-parallel slices builds one per slice (train/shards.py)."""
   ds = (
     _shard(source, shard)
-    .seed(seed)
+    .seed(shard_seed(seed, shard))
     .shuffle()
     .repeat(None)
     .map(lambda r: encode_sft(to_example(r), tok, seq_len))
@@ -132,5 +139,5 @@ def prompt_dataset(
       "answer_text": ex.answer,
     }
 
-  ds = _shard(source, shard).seed(seed).shuffle().repeat(None).map(enc)
+  ds = _shard(source, shard).seed(shard_seed(seed, shard)).shuffle().repeat(None).map(enc)
   return ds.to_iter_dataset().batch(batch_size, drop_remainder=True)

@@ -7,6 +7,8 @@ import logging
 
 import orbax.checkpoint as ocp
 
+from specdraft.parallel import multihost
+
 log = logging.getLogger(__name__)
 
 
@@ -33,6 +35,7 @@ class Checkpointer:
     """
     self.mngr.reload()
     for step in sorted(self.mngr.all_steps(), reverse=True):
+      out, why = None, None
       try:
         out = self.mngr.restore(
           step,
@@ -40,14 +43,18 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), extra=ocp.args.JsonRestore()
           ),
         )
-        return step, out["state"], out["extra"]
       except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint falls back
-        msg = (
-          f"checkpoint at step {step} in {self.mngr.directory} is unreadable "
-          f"({type(e).__name__}: {str(e)[:200]}); falling back to the previous one"
-        )
-        log.warning(msg)
-        print("WARNING:", msg, flush=True)
+        why = f"{type(e).__name__}: {str(e)[:200]}"
+      # every process of a multi-process run must continue from the same step
+      failed = [w for w in multihost.gather_objects(why) if w is not None]
+      if not failed:
+        return step, out["state"], out["extra"]
+      msg = (
+        f"checkpoint at step {step} in {self.mngr.directory} is unreadable ({failed[0]}); "
+        "falling back to the previous one"
+      )
+      log.warning(msg)
+      print("WARNING:", msg, flush=True)
     return None
 
   def close(self):

@@ -50,6 +50,16 @@ class Context:
 
   def __init__(self, config, workdir: str):
     config_lib.validate(config)
+    if "://" in workdir:
+      raise ValueError(
+        f"workdir={workdir!r} is invalid: logs, plots and checkpoints are written with local file "
+        "operations; use a local directory (a shared mount for a multi-process run)"
+      )
+    if jax.process_count() > 1 and config.parallel.get("devices", 0):
+      raise ValueError(
+        f"config.parallel.devices={config.parallel.devices!r} is invalid in a multi-process run "
+        f"({jax.process_count()} processes): the mesh must cover every process's devices (0)"
+      )
     tfds.disable_progress_bar()
     self.config, self.workdir = config, workdir
     self.task = make_task(config.task)
@@ -190,6 +200,12 @@ def run_phase(ctx: Context, phase: Phase, state, stop_after: int | None = None):
   elog = ctx.log(phase.eval_log) if phase.eval_log else None
   ckpt = ctx.checkpointer(phase.name)
   start, state = state_lib.restore(ckpt, state, phase.data, *filter(None, (mlog, elog)))
+  if jax.process_count() > 1 and hasattr(phase.data, "shards"):
+    print(
+      f"{phase.label}: process {jax.process_index()} builds data shards {phase.data.shards} "
+      f"of {phase.data.num_shards}",
+      flush=True,
+    )
   if start == 0 and phase.evaluate is not None:
     elog.write({"step": 0, **phase.evaluate(state)})
   last = phase.steps if stop_after is None else min(phase.steps, stop_after)

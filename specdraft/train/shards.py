@@ -71,8 +71,15 @@ class ShardedStream:
     return merged
 
   def set_state(self, state: dict) -> None:
-    if self.num_shards == 1 and "0" not in state:  # a checkpoint from before data shards
+    legacy = not all(k.isdigit() for k in state)  # one grain state: before data shards
+    if legacy and self.num_shards == 1:
       state = {"0": state}
+    elif legacy:
+      raise ValueError(
+        "the checkpoint's data iterator state was written before data shards (one stream for "
+        f"the whole batch); this run splits its batch into {self.num_shards} data shards, one "
+        "per data-parallel slice, and cannot continue that stream: start a new run (workdir)"
+      )
     missing = [str(j) for j in self.shards if str(j) not in state]
     if missing:
       raise ValueError(
