@@ -118,6 +118,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       b2=0.98,
       log_every=20,
       cotrain_lr=1e-3,
+      # EAGLE-3's head over the `vocab_size` most frequent target tokens of the training answers
+      # (0: the policy's whole vocabulary); the draft's probability is zero outside them.
+      vocab_size=0,
       # DFlash / DSpark (model/dflash.py): draft layers, block size W (dflash proposes W - 1
       # tokens a round, dspark W; 0: the block that proposes decode.num_draft), loss decay
       # exp(-k / gamma) over the proposals, DSpark's Markov head rank (0: no Markov head, the

@@ -152,6 +152,20 @@ def _validate_draft(config) -> None:
     _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
+  nv, V = dr.get("vocab_size", 0), CharTokenizer().vocab_size
+  if not isinstance(nv, int) or not 0 <= nv <= V:
+    _fail(
+      "draft.vocab_size",
+      nv,
+      f"must be an integer in [0, {V}]: the draft head's vocabulary (0 = the policy's {V})",
+    )
+  if nv and kind != "eagle3":
+    _fail(
+      "draft.vocab_size",
+      nv,
+      f"a reduced draft vocabulary is an EAGLE-3 option; draft.kind={kind!r} uses the policy's "
+      "head (set it to 0)",
+    )
 
 
 def _validate_block_draft(config) -> None:

@@ -264,9 +264,11 @@ class _TorchEagle3(torch.nn.Module):
     return self.norm(h, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
+@pytest.mark.parametrize("reduced", [False, True], ids=["full_vocab", "reduced_vocab"])
+def test_exported_eagle3_draft_matches_the_public_definition(tmp_path, reduced):
   """Every key, shape and dtype against the EAGLE-3 table; config fields; and the exported
-  checkpoint run through an independent torch implementation gives the draft's logits."""
+  checkpoint run through an independent torch implementation gives the draft's logits (with a
+  reduced draft vocabulary, mapped to target ids through d2t)."""
   from safetensors import safe_open
 
   from specdraft.model import eagle3
@@ -285,7 +287,9 @@ def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
     rope_theta=700.0,
     norm_eps=1e-5,
     init_std=0.1,
+    vocab_ids=tuple(range(2, V, 3)) if reduced else None,
   )
+  Vd = dcfg.draft_vocab
   params = pol.init_params(pcfg, 0)
   dp = eagle3.init_params(dcfg, 1, params, pcfg)
   rng = np.random.default_rng(0)
@@ -294,7 +298,7 @@ def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
   hf.save_eagle3(str(tmp_path), dcfg, dp, pcfg)
 
   E, H, K, D, F = 64, 4, 2, 16, 80
-  sizes = {"E": E, "2E": 2 * E, "3E": 3 * E, "H*D": H * D, "K*D": K * D, "F": F, "V": V, "Vd": V}
+  sizes = {"E": E, "2E": 2 * E, "3E": 3 * E, "H*D": H * D, "K*D": K * D, "F": F, "V": V, "Vd": Vd}
   with safe_open(str(tmp_path / "model.safetensors"), framework="np") as f:
     assert set(f.keys()) == set(hf.EAGLE3_TENSORS)
     for key, dims in hf.EAGLE3_TENSORS.items():
@@ -308,7 +312,7 @@ def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
   assert (c["num_key_value_heads"], c["head_dim"], c["draft_vocab_size"], c["vocab_size"]) == (
     K,
     D,
-    V,
+    Vd,
     V,
   )
   assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(pcfg.taps)
@@ -329,10 +333,20 @@ def test_exported_eagle3_draft_matches_the_public_definition(tmp_path):
   )
   ref = _TorchEagle3(str(tmp_path), params["embed"])
   with torch.no_grad():
-    want = ref(
+    draft_logits = ref(
       torch.tensor(np.moveaxis(taps, 0, 2).reshape(B, T, 3 * E)), torch.tensor(tokens)
     ).numpy()
-  np.testing.assert_allclose(np.asarray(ours), want, rtol=1e-4, atol=1e-4)
+  # the serving convention: draft id i is target id i + d2t[i]; t2d marks the covered ids
+  d2t, t2d = ref.w["d2t"].numpy(), ref.w["t2d"].numpy()
+  target_ids = np.arange(Vd) + d2t
+  assert np.array_equal(np.flatnonzero(t2d), np.sort(target_ids))
+  want = np.full((B, T, V), -np.inf, np.float32)
+  want[..., target_ids] = draft_logits
+  ours = np.asarray(ours)
+  assert np.array_equal(np.isinf(ours), np.isinf(want))
+  np.testing.assert_allclose(ours[..., t2d], want[..., t2d], rtol=1e-4, atol=1e-4)
+  if reduced:
+    assert Vd < V and not t2d.all() and d2t.any()
 
 
 def test_eagle3_export_refuses_a_draft_without_three_taps(tmp_path):

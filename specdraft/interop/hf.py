@@ -428,7 +428,7 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
     "rope_scaling": None,
     "max_position_embeddings": max_positions,
     "vocab_size": pcfg.vocab_size,
-    "draft_vocab_size": dcfg.vocab_size,
+    "draft_vocab_size": dcfg.draft_vocab,
     "tie_word_embeddings": False,
     "attention_bias": False,
     "mlp_bias": False,
@@ -443,8 +443,9 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
 
 def save_eagle3(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.float32, **config):
   """Writes a trained EAGLE-3 draft (model/eagle3.py) as an EAGLE-3 checkpoint: config.json and
-  model.safetensors with the names and shapes of `EAGLE3_TENSORS`. The draft's vocabulary is the
-  target's (d2t all zeros, t2d all true)."""
+  model.safetensors with the names and shapes of `EAGLE3_TENSORS`. With the whole target
+  vocabulary d2t is all zeros and t2d all true; with a reduced one (`dcfg.vocab_ids`), draft id
+  i is target id i + d2t[i] and t2d marks the target ids the draft covers."""
   if dcfg.n_taps != 3:
     raise ValueError(
       f"an EAGLE-3 checkpoint fuses exactly 3 tapped layers (fc is [E, 3E]); this draft taps "
@@ -472,8 +473,14 @@ def save_eagle3(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.fl
     "lm_head.weight": d["head"].T,
   }
   out = {k: np.ascontiguousarray(v).astype(np.dtype(dtype)) for k, v in out.items()}
-  out["d2t"] = np.zeros((dcfg.vocab_size,), np.int64)
-  out["t2d"] = np.ones((pcfg.vocab_size,), np.bool_)
+  if dcfg.vocab_ids is None:
+    out["d2t"] = np.zeros((dcfg.vocab_size,), np.int64)
+    out["t2d"] = np.ones((pcfg.vocab_size,), np.bool_)
+  else:
+    ids = np.asarray(dcfg.vocab_ids, np.int64)
+    out["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+    out["t2d"] = np.zeros((pcfg.vocab_size,), np.bool_)
+    out["t2d"][ids] = True
   os.makedirs(path, exist_ok=True)
   write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:

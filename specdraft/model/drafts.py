@@ -21,14 +21,22 @@ def is_block(dcfg) -> bool:
   return isinstance(dcfg, dflash.BlockDraftConfig)
 
 
-def draft_config(draft_cfg, pcfg: pol.PolicyConfig, num_draft: int = 0):
+def draft_config(draft_cfg, pcfg: pol.PolicyConfig, num_draft: int = 0, vocab_ids=None):
   """The draft's static config from the run config's `draft` block (`num_draft`, the tokens
-  proposed per SD round, sizes a block draft whose block_size is 0)."""
+  proposed per SD round, sizes a block draft whose block_size is 0; `vocab_ids`, an EAGLE-3
+  draft's reduced vocabulary when draft.vocab_size > 0)."""
   kind = draft_cfg.get("kind", "eagle3")
   if kind not in KINDS:
     raise ValueError(f"config.draft.kind={kind!r} is invalid: expected one of {KINDS}")
   if kind == "eagle3":
-    return eagle3.DraftConfig.from_config(draft_cfg, pcfg)
+    nv = int(draft_cfg.get("vocab_size", 0))
+    if 0 < nv < pcfg.vocab_size and vocab_ids is None:
+      raise ValueError(
+        f"config.draft.vocab_size={nv} needs the draft's token ids, chosen from the training "
+        "data's counts (train.phases.Context does this: experiments/train.py, drift.py); this "
+        "program builds its draft without them: set draft.vocab_size=0"
+      )
+    return eagle3.DraftConfig.from_config(draft_cfg, pcfg, vocab_ids)
   return dflash.BlockDraftConfig.from_config(draft_cfg, pcfg, num_draft)
 
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specdraft.attention import blockwise as bw
@@ -42,15 +43,24 @@ class DraftConfig:
   ttt_decay: float = 0.8
   init_std: float = 0.02
   dtype: str = "float32"
+  # A reduced draft vocabulary: the target token ids the draft's head covers (sorted), or None
+  # for the whole target vocabulary. Outside them the draft's probability is exactly zero.
+  vocab_ids: tuple[int, ...] | None = None
 
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
+  @property
+  def draft_vocab(self) -> int:
+    """Rows of the draft's LM head: len(vocab_ids), or the target vocabulary."""
+    return self.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+
   @classmethod
-  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig) -> DraftConfig:
+  def from_config(cls, draft_cfg, pcfg: pol.PolicyConfig, vocab_ids=None) -> DraftConfig:
     """Draft dims default to the policy's where the config leaves them 0. Refuses a config
-    whose draft.kind is another kind (the entry points that build EAGLE-3 drafts directly)."""
+    whose draft.kind is another kind (the entry points that build EAGLE-3 drafts directly).
+    `vocab_ids`: the reduced vocabulary (`frequent_tokens`) when draft.vocab_size > 0."""
     kind = draft_cfg.get("kind", "eagle3")
     if kind != "eagle3":
       raise ValueError(
@@ -71,6 +81,7 @@ class DraftConfig:
       ttt_steps=draft_cfg.ttt_steps,
       ttt_decay=draft_cfg.ttt_decay,
       dtype=pcfg.dtype,
+      vocab_ids=_check_vocab_ids(vocab_ids, pcfg.vocab_size),
     )
 
 
@@ -90,7 +101,7 @@ class Eagle3(nnx.Module):
     self.w_up = nnx.Param(normal(rngs.params(), (E, F)))
     self.w_down = nnx.Param(normal(rngs.params(), (F, E)))
     self.final_norm = nnx.Param(jnp.ones((E,)))
-    self.head = nnx.Param(normal(rngs.params(), (E, cfg.vocab_size)))
+    self.head = nnx.Param(normal(rngs.params(), (E, cfg.draft_vocab)))
 
 
 def init_params(
@@ -99,10 +110,13 @@ def init_params(
   policy_params: Params | None = None,
   pcfg: pol.PolicyConfig | None = None,
 ) -> Params:
-  """Fresh draft parameters; with the policy given, the LM head and final norm start as its own."""
+  """Fresh draft parameters; with the policy given, the LM head (its columns of the draft's
+  vocabulary) and final norm start as its own."""
   params = pol.split_params(Eagle3(cfg, rngs=nnx.Rngs(seed)))
   if policy_params is not None:
     w = policy_params["embed"].T if pcfg.tie_embeddings else policy_params["head"]
+    if cfg.vocab_ids is not None:
+      w = w[:, np.asarray(cfg.vocab_ids)]
     params["head"] = jnp.asarray(w, params["head"].dtype)
     params["final_norm"] = jnp.asarray(policy_params["final_norm"])
   return params
@@ -140,9 +154,50 @@ def _finish(dp, feat_BTE, o_BTHD, cfg: DraftConfig):
   return h + g @ dp["w_down"].astype(dt)
 
 
-def logits_of(dp, h_BTE, cfg: DraftConfig):
+def head_logits(dp, h_BTE, cfg: DraftConfig):
+  """The draft head's logits over its own vocabulary [..., draft_vocab]."""
   z = pol.rms_norm(h_BTE, dp["final_norm"], cfg.norm_eps)
   return jnp.einsum("...e,ev->...v", z, dp["head"].astype(z.dtype)).astype(jnp.float32)
+
+
+def logits_of(dp, h_BTE, cfg: DraftConfig):
+  """The draft's logits over the target vocabulary [..., V]: with a reduced vocabulary, -inf
+  outside it, so sampling and rejection see the draft's exact distribution on the target's
+  tokens (zero outside its vocabulary)."""
+  z = head_logits(dp, h_BTE, cfg)
+  if cfg.vocab_ids is None:
+    return z
+  full = jnp.full(z.shape[:-1] + (cfg.vocab_size,), -jnp.inf, z.dtype)
+  return full.at[..., np.asarray(cfg.vocab_ids)].set(z)
+
+
+def _check_vocab_ids(vocab_ids, vocab_size: int):
+  if vocab_ids is None:
+    return None
+  ids = tuple(int(i) for i in vocab_ids)
+  if not ids or list(ids) != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
+    raise ValueError(
+      f"draft vocab_ids must be distinct sorted target ids in [0, {vocab_size}); got "
+      f"{len(ids)} ids from {ids[:1]} to {ids[-1:]}"
+    )
+  return ids
+
+
+def frequent_tokens(token_rows, vocab_size: int, size: int, *, always=()) -> tuple[int, ...]:
+  """The `size` most frequent target ids in `token_rows` (iterables of ids; ties to the lower
+  id), always including `always` (EOS: a draft must be able to stop), sorted."""
+  if not 0 < size <= vocab_size:
+    raise ValueError(f"a draft vocabulary of {size} tokens needs 0 < size <= {vocab_size}")
+  counts = np.zeros(vocab_size, np.int64)
+  for row in token_rows:
+    np.add.at(counts, np.asarray(list(row), np.int64), 1)
+  keep = [int(t) for t in always]
+  for t in np.lexsort((np.arange(vocab_size), -counts)):
+    if len(keep) >= size:
+      break
+    if int(t) not in keep:
+      keep.append(int(t))
+  return tuple(sorted(keep[:size]))
 
 
 # ----------------------------------------------------------------------------- training (TTT)
@@ -280,7 +335,12 @@ def ttt_loss_on_shard(
   )
   pf = jax.lax.stop_gradient(policy_BSX)
   mask = loss_mask_BS.astype(jnp.float32)
-  draft_logits_of = lambda h: logits_of(dp, h, cfg)
+  # Over the draft's vocabulary: with a reduced one, the target is the policy's distribution
+  # restricted to it and renormalised (what a draft limited to those tokens can match).
+  draft_logits_of = lambda h: head_logits(dp, h, cfg)
+  if cfg.vocab_ids is not None:
+    ids, full = np.asarray(cfg.vocab_ids), policy_logits_of
+    policy_logits_of = lambda x: jnp.take(full(x), ids, axis=-1)
   loss, norm, metrics = 0.0, 0.0, {}
   for k in range(cfg.ttt_steps):
     w = jnp.where((shift(seg, 2 + k, 0) == seg) & (seg != 0), shift(mask, 2 + k, 0.0), 0.0)

@@ -30,7 +30,7 @@ from specdraft import config as config_lib
 from specdraft.decode import autoregressive, speculative
 from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
-from specdraft.model import drafts
+from specdraft.model import drafts, eagle3
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import multihost
 from specdraft.rl import grpo
@@ -74,7 +74,9 @@ class Context:
     n_eval = min(config.eval.num_examples, len(test_src))
     self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
     self.pcfg = state_lib.policy_config(config)
-    self.dcfg = drafts.draft_config(config.draft, self.pcfg, config.decode.num_draft)
+    self.dcfg = drafts.draft_config(
+      config.draft, self.pcfg, config.decode.num_draft, vocab_ids=self._draft_vocab()
+    )
     self.mesh = mesh_lib.make_mesh(config.parallel)
     self.rules = [tuple(r) for r in config.parallel.rules]
     self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
@@ -93,6 +95,20 @@ class Context:
     cm = config.compute
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+
+  def _draft_vocab(self):
+    """A reduced draft vocabulary (draft.vocab_size > 0): the most frequent tokens of the
+    training split's answers (EOS always in), else None."""
+    n = int(self.config.draft.get("vocab_size", 0))
+    if not n or n >= self.pcfg.vocab_size:
+      return None
+    from specdraft.tasks.tokenizer import EOS
+
+    rows = (
+      self.tok.encode(task_data.to_example(self.train_src[i]).answer, eos=True)
+      for i in range(len(self.train_src))
+    )
+    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=(EOS,))
 
   def training_batch(self, blocks: dict[int, dict], num_shards: int) -> dict:
     """The global training batch from this process's data shards ({shard j: host batch}), each
