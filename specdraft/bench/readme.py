@@ -155,17 +155,25 @@ def num_draft_sweep(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def _draft_table(r: dict, kinds, name) -> tuple[list, list]:
+  """(header, rows) of speedup and tau per batch size for each draft kind."""
+  rows = [
+    [x["batch"]]
+    + [
+      c
+      for kind in kinds
+      for c in (f"{_f(x['by_draft'][kind]['speedup'])}×", _f(x["by_draft"][kind]["tau"]))
+    ]
+    for x in r["rows"]
+  ]
+  header = ["batch"] + [c for kind in kinds for c in (f"{name(kind)} speedup", f"{name(kind)} τ")]
+  return header, rows
+
+
 def drafts_compare(r: dict) -> str:
   k = r["config"]
   kinds = k["kinds"]
-  rows = []
-  for x in r["rows"]:
-    row = [x["batch"]]
-    for kind in kinds:
-      d = x["by_draft"][kind]
-      row += [f"{_f(d['speedup'])}×", _f(d["tau"])]
-    rows.append(row)
-  header = ["batch"] + [c for kind in kinds for c in (f"{kind} speedup", f"{kind} τ")]
+  header, rows = _draft_table(r, kinds, lambda kind: kind)
   losses = ", ".join(f"{kind} {_f(r['training'][kind]['draft_loss'], 3)}" for kind in kinds)
   head = (
     "### Drafts: EAGLE-3, DFlash and DSpark on one policy\n\n"
@@ -185,14 +193,7 @@ def drafts_markov(r: dict) -> str:
   k = r["config"]
   kinds = k["kinds"]
   name = lambda kind: "DSpark without its Markov head" if kind.endswith("markov_rank=0") else kind
-  rows = []
-  for x in r["rows"]:
-    row = [x["batch"]]
-    for kind in kinds:
-      d = x["by_draft"][kind]
-      row += [f"{_f(d['speedup'])}×", _f(d["tau"])]
-    rows.append(row)
-  header = ["batch"] + [c for kind in kinds for c in (f"{name(kind)} speedup", f"{name(kind)} τ")]
+  header, rows = _draft_table(r, kinds, name)
   big = r["rows"][-1]  # the largest batch: the most rounds behind each rate
   accept = "; ".join(
     f"{name(kind)} " + " / ".join(_f(a) for a in big["by_draft"][kind]["accept_per_position"])
