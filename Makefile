@@ -47,4 +47,4 @@ format: $(STAMP)
 	$(BIN)/ruff format specdraft configs experiments tests scripts
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .pytest_cache

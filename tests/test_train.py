@@ -40,6 +40,17 @@ def test_next_token_targets_respect_documents():
   assert np.all(np.asarray(w)[:, -4:] == 0)  # nothing predicts padding
 
 
+def test_the_optimizer_builds_for_phases_of_zero_or_one_step():
+  """sft.steps = 0 is a valid config (no SFT: the phase still evaluates at step 0); its
+  optimizer, and a one-step phase's, must build and step with a finite learning rate."""
+  c = default_config.get_config("smoke")
+  p = {"w": jnp.ones(3)}
+  for steps in (0, 1, 2):
+    tx = step_lib.make_optimizer(c.sft, steps)
+    updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(p), p)
+    assert np.all(np.isfinite(updates["w"])), steps
+
+
 def _sft_config(layout):
   c = default_config.get_config(f"layout={layout},smoke")
   c.model.n_kv_heads = 2  # so that kv heads split over tensor=2

@@ -19,7 +19,8 @@ def make_optimizer(opt_cfg, total_steps: int) -> optax.GradientTransformation:
     0.0,
     opt_cfg.lr,
     warmup_steps=max(warmup, 1),
-    decay_steps=max(total_steps, warmup + 1),
+    # (a phase of 0 or 1 steps still builds its optimizer: optax needs decay past the warm-up)
+    decay_steps=max(total_steps, max(warmup, 1) + 1),
     end_value=opt_cfg.lr * 0.1,
   )
   return optax.chain(
