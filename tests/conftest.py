@@ -11,6 +11,7 @@ os.environ["XLA_FLAGS"] = (
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Many tests compile the same programs (the smoke run's steps in-process, in subprocesses, in
 # notebooks, under each launcher process), so the suites share JAX's persistent compilation cache:
 # an executable is compiled once per CI run and loaded after that. The key hashes the program, the
@@ -18,15 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Entries under 0.5 s of compile time are not worth the disk; the size bound turns on JAX's file
 # lock (xdist workers and subprocesses read and write concurrently). SPECDRAFT_TEST_JAX_CACHE=""
 # turns it off; the directory lives under .pytest_cache (git-ignored; `make clean` removes it).
-_CACHE = os.environ.get(
-  "SPECDRAFT_TEST_JAX_CACHE",
-  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"),
-)
+_CACHE = os.environ.get("SPECDRAFT_TEST_JAX_CACHE", os.path.join(ROOT, ".pytest_cache", "jax"))
 if _CACHE:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

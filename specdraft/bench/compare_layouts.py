@@ -140,7 +140,7 @@ def make_setup(config, *, model=None, batch_size=None, seq_len=None, host_batch=
     dcfg=dcfg,
     rl_cfg=config.rl,
     cotrain_tx=step_lib.make_cotrain_optimizer(config.rl, config.draft),
-    sft_tx=step_lib.make_optimizer(config.sft, max(int(config.sft.steps), 2)),
+    sft_tx=step_lib.make_optimizer(config.sft, int(config.sft.steps)),
     compute=dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat),
     batch=batch,
   )
