@@ -50,6 +50,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       tie_embeddings=True,
       init_std=0.02,
       dtype="float32",
+      # A Hugging Face Llama/Qwen2/Qwen3 checkpoint directory to start from: its architecture
+      # replaces the fields above (tap_layers and dtype still apply), its weights the random
+      # init, and its tokenizer.json the character tokenizer (unless data.tokenizer says
+      # otherwise). "" = a fresh policy of the fields above.
+      init_from="",
     )
   )
   c.model.tap_layers = ml_collections.FieldReference(None, field_type=tuple)
@@ -88,7 +93,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
 
   c.data = ml_collections.ConfigDict(
-    dict(data_dir="runs/tfds", batch_size=32, seq_len=64, packing=True, shuffle_seed=0)
+    dict(
+      data_dir="runs/tfds",
+      batch_size=32,
+      seq_len=64,
+      packing=True,
+      shuffle_seed=0,
+      # "" = the character tokenizer (or model.init_from's tokenizer.json); else a path to a
+      # tokenizer.json or its directory. chat_template: prompts as one user turn of the
+      # tokenizer's chat template, with its generation prompt.
+      tokenizer="",
+      chat_template=False,
+    )
   )
 
   c.sft = ml_collections.ConfigDict(

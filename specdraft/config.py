@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 from specdraft.parallel import layouts
 from specdraft.parallel.mesh import check_mesh
-from specdraft.tasks import TASKS, CharTokenizer, make_task
+from specdraft.tasks import TASKS, make_task
+from specdraft.tasks import tokenizer as tok_lib
 
 ROLLOUT_DRAFTS = ("cotrained", "fixed", "none")
 
@@ -48,18 +51,75 @@ def _fail(field, value, valid):
 def validate(config, *, num_devices: int | None = None) -> None:
   """Checks every knob the run depends on; raises ValueError naming the field, its value and
   what is valid."""
-  _validate_model(config.model)
-  _validate_task_and_data(config)
+  path = config.model.get("init_from", "") or ""
+  if path and not os.path.isfile(os.path.join(path, "config.json")):
+    _fail("model.init_from", path, "expected a Hugging Face checkpoint directory with config.json")
+  tok = _tokenizer(config)
+  pcfg = _policy(config, tok)
+  _validate_model(config.model, pcfg)
+  _validate_task_and_data(config, tok)
   _validate_decoding(config)
-  _validate_draft(config)
+  _validate_draft(config, pcfg)
   _validate_rl(config)
   _validate_compute(config)
-  _validate_layout(config, num_devices)
-  if CharTokenizer().vocab_size < 4:
-    raise AssertionError("tokenizer vocabulary is broken")
+  _validate_layout(config, num_devices, pcfg)
 
 
-def _validate_model(m) -> None:
+def _tokenizer(config):
+  """The run's tokenizer; a missing or unreadable tokenizer.json names the field that chose it."""
+  field = "data.tokenizer" if config.data.get("tokenizer", "") else "model.init_from"
+  try:
+    return tok_lib.make_tokenizer(config)
+  except (OSError, ValueError) as e:
+    path = tok_lib.tokenizer_path(config)
+    if not path:  # the character tokenizer refused a setting (data.chat_template)
+      raise
+    _fail(field, path, f"its tokenizer cannot be used: {e}")
+
+
+def _policy(config, tok):
+  """The policy's config; with `model.init_from`, the checkpoint is checked (architecture, every
+  tensor's presence and shape) before anything is compiled."""
+  path = config.model.get("init_from", "") or ""
+  if path:
+    from specdraft.interop import hf
+
+    try:
+      m = config.model
+      taps = tuple(m.tap_layers) if m.tap_layers is not None else None
+      pcfg = hf.read_config(path, eos_id=tok.eos_id, dtype=m.dtype, tap_layers=taps)
+      if m.dtype not in ("float32", "bfloat16"):
+        _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
+      _check_taps(m.tap_layers, pcfg.n_layers, "the checkpoint's num_hidden_layers")
+      hf.check_checkpoint(path, pcfg)
+    except (OSError, KeyError, ValueError) as e:
+      if str(e).startswith("config."):
+        raise
+      _fail("model.init_from", path, str(e))
+  else:
+    pcfg = None
+  if path and tok.vocab_size > pcfg.vocab_size:
+    _fail(
+      "model.init_from",
+      path,
+      f"its vocab_size {pcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size} "
+      f"({tok_lib.tokenizer_path(config)})",
+    )
+  return pcfg
+
+
+def _check_taps(tap_layers, n_layers: int, what: str) -> None:
+  if tap_layers is not None:
+    taps = tuple(tap_layers)
+    if not taps or any(not 0 <= int(t) < n_layers for t in taps):
+      _fail("model.tap_layers", taps, f"each tap layer must be in [0, {n_layers}) ({what})")
+    if len(set(taps)) != len(taps):
+      _fail("model.tap_layers", taps, "tap layers must be distinct")
+
+
+def _validate_model(m, imported) -> None:
+  if imported is not None:  # the architecture is the checkpoint's (checked by _policy)
+    return
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
     if int(m[f]) < 1:
       _fail(f"model.{f}", m[f], "must be >= 1")
@@ -71,19 +131,10 @@ def _validate_model(m) -> None:
     _fail("model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
   if m.dtype not in ("float32", "bfloat16"):
     _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
-  if m.tap_layers is not None:
-    taps = tuple(m.tap_layers)
-    if not taps or any(not 0 <= int(t) < m.n_layers for t in taps):
-      _fail(
-        "model.tap_layers",
-        taps,
-        f"each tap layer must be in [0, {m.n_layers}) (model.n_layers={m.n_layers})",
-      )
-    if len(set(taps)) != len(taps):
-      _fail("model.tap_layers", taps, "tap layers must be distinct")
+  _check_taps(m.tap_layers, m.n_layers, f"model.n_layers={m.n_layers}")
 
 
-def _validate_task_and_data(config) -> None:
+def _validate_task_and_data(config, tok) -> None:
   """The task (its difficulty knobs are checked by the task itself) and the SFT batches."""
   t, d = config.task, config.data
   if t.name not in TASKS:
@@ -93,7 +144,8 @@ def _validate_task_and_data(config) -> None:
     _fail("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
   if d.batch_size < 1:
     _fail("data.batch_size", d.batch_size, "must be >= 1")
-  need = task.max_length() + 2  # BOS and EOS
+  # BOS (or the chat template's frame) + prompt + answer + EOS, bounded from the characters
+  need = tok.max_prompt_tokens(task.max_length()) + tok.max_answer_tokens(0)
   if d.seq_len < need:
     _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
   s = config.sft
@@ -134,10 +186,13 @@ def _validate_decoding(config) -> None:
     )
 
 
-def _validate_draft(config) -> None:
+def _validate_draft(config, imported) -> None:
+  """`imported`: the PolicyConfig of a `model.init_from` checkpoint (its heads and vocabulary are
+  the draft's defaults), else None (config.model's, over the tokenizer's vocabulary)."""
   from specdraft.model import drafts
 
-  m, dr = config.model, config.draft
+  dr = config.draft
+  m = imported or config.model
   kind = dr.get("kind", "eagle3")
   if kind not in drafts.KINDS:
     _fail("draft.kind", kind, f"expected one of {drafts.KINDS}")
@@ -152,7 +207,8 @@ def _validate_draft(config) -> None:
     _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
-  nv, V = dr.get("vocab_size", 0), CharTokenizer().vocab_size
+  nv = dr.get("vocab_size", 0)
+  V = imported.vocab_size if imported else tok_lib.make_tokenizer(config).vocab_size
   if not isinstance(nv, int) or not 0 <= nv <= V:
     _fail(
       "draft.vocab_size",
@@ -234,9 +290,10 @@ def _validate_compute(config) -> None:
     _fail("compute.vocab_chunk", cm.vocab_chunk, "must be >= 0 (tokens per chunk; 0 = whole row)")
 
 
-def _validate_layout(config, num_devices: int | None) -> None:
+def _validate_layout(config, num_devices: int | None, imported=None) -> None:
   """The mesh covers the devices, and every batch splits over the data-parallel axes."""
   p, rl = config.parallel, config.rl
+  m = imported or config.model  # an imported policy's heads and layers are its checkpoint's
   if p.name not in layouts.LAYOUTS and p.name != "custom":
     _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
   check_mesh(p, num_devices)
@@ -265,19 +322,19 @@ def _validate_layout(config, num_devices: int | None) -> None:
   if config.data.seq_len < 2 * cp:
     _fail("data.seq_len", config.data.seq_len, f"must be >= 2*cp={2 * cp} (two zigzag chunks)")
   for field in ("n_heads", "n_kv_heads"):
-    if config.model[field] % tp:
-      _fail(f"model.{field}", config.model[field], f"must be divisible by tensor={tp}")
+    if getattr(m, field) % tp:
+      _fail(f"model.{field}", getattr(m, field), f"must be divisible by tensor={tp}")
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
-    _validate_pipeline(config, pp)
+    _validate_pipeline(config, pp, m)
 
 
-def _validate_pipeline(config, pp: int) -> None:
+def _validate_pipeline(config, pp: int, m) -> None:
   """Pipeline layouts: stages divide the layers, taps exist, microbatches divide the batches."""
   from specdraft.model import pipelined
   from specdraft.model.policy import default_tap_layers
 
-  m, p = config.model, config.parallel
+  p = config.parallel
   if "pipeline" not in p:
     _fail(
       "parallel.pipeline",

@@ -6,6 +6,8 @@ stop at EOS at different lengths and that some rows run to the end, so it cannot
 (tests/test_trained_sd.py checks the same on a policy trained on the task, in the slow suite.)
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,3 +134,30 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(setup, G):
   assert st["accept_counts"][0] > 0, st  # some drafts accepted ...
   assert st["accept_counts"][0] < st["reach_counts"][0], st  # ... and some rejected
   assert st["policy_passes"] < int(ar.stats["policy_passes"]), st
+
+
+def test_rows_stop_at_the_policys_own_eos_id(setup):
+  """`PolicyConfig.eos_id` (a pretrained tokenizer's EOS): AR and SD rows stop at that token, not
+  at the character tokenizer's, and greedy SD still equals greedy AR token for token."""
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  toks = np.asarray(ar.tokens)
+  # the token the rows write most before their end, other than EOS: it ends them early now
+  inside = np.concatenate([t[: max(int(n) - 1, 0)] for t, n in zip(toks, np.asarray(ar.lengths))])
+  counts = np.bincount(inside[inside != EOS], minlength=V)
+  stop = int(np.argmax(counts))
+  cfg = dataclasses.replace(pcfg, eos_id=stop)
+  gen = dict(max_new_tokens=N, temperature=0.0)
+  ar2 = autoregressive.generate(params, cfg, prompts, lengths, jax.random.key(0), **gen)
+  sd2 = speculative.generate(
+    params, dparams, cfg, dcfg, prompts, lengths, jax.random.key(0), num_draft=2, **gen
+  )
+  n2 = np.asarray(ar2.lengths)
+  for row, n_old, n_new, t_new in zip(toks, np.asarray(ar.lengths), n2, np.asarray(ar2.tokens)):
+    hits = np.flatnonzero(row[:n_old] == stop)
+    if len(hits):  # the same greedy row, cut at its first `stop`
+      assert n_new == hits[0] + 1 and (t_new[:n_new] == row[:n_new]).all()
+    else:  # the old EOS no longer stops it: the same row, then on
+      assert n_new >= n_old and (t_new[:n_old] == row[:n_old]).all()
+  assert (n2 < np.asarray(ar.lengths)).any()  # the new stop token ended some rows earlier
+  np.testing.assert_array_equal(np.asarray(sd2.tokens), np.asarray(ar2.tokens))
+  np.testing.assert_array_equal(np.asarray(sd2.lengths), n2)

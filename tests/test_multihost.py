@@ -154,8 +154,12 @@ def _two_processes(layout, data_dir, workdir, **extra):
 GROUPS_SPAN = {"rl.prompts_per_step": 1, "rl.group_size": 8}
 
 # ----------------------------------------------------------------------------- runs
+# The runs are `make test-slow` (CI runs both suites): in one session the 1-process reference and
+# the 2-process programs (through the compilation cache) are shared by the dp8 run and the killed
+# run, which in `make test` cost a reference of their own (310 s of its 27 minutes).
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_one_process_metrics_dp8(reference, data_dir, tmp_path):
   out = _two_processes("dp8", data_dir, str(tmp_path / "two"), **GROUPS_SPAN)
   assert "process 1 of 2 joining" in out

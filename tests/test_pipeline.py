@@ -287,14 +287,14 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   kw_all = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=1.0, ref_params=ref)
   outs = {}
   for name, kw in (("single", {}), ("pp4_dp2", dict(mesh=mesh, pipeline=spec))):
-    # The step and its gradients in one program (XLA computes the shared forward/backward once).
+    # The step and its gradients in one program, the forward/backward traced once.
     loss = lambda t, b, kw=kw: step_lib.cotrain_loss(t, b, **kw_all, **kw)
-    f = jax.jit(
-      lambda s, b, kw=kw, loss=loss: (
-        step_lib.cotrain_step(s, b, tx=tx, **kw_all, **kw),
-        jax.grad(loss, has_aux=True)(s["params"], b)[0],
-      )
-    )
+
+    def f(s, b, loss=loss):
+      (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(s["params"], b)
+      return step_lib.apply_gradients(s, grads, metrics, tx), grads
+
+    f = jax.jit(f)
     sh_batch = (
       batch
       if name == "single"

@@ -170,22 +170,9 @@ def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
   loss = _loss(c, pcfg, dcfg, ref, aggregation, mesh=mesh, pipeline=pipeline)
 
   def both(state, b):
-    value_grads = jax.value_and_grad(loss, has_aux=True)(state["params"], b)
-    new, _ = step_lib.cotrain_step(
-      state,
-      b,
-      pcfg=pcfg,
-      dcfg=dcfg,
-      rl_cfg=_rl(c, aggregation),
-      tx=tx,
-      lam=1.0,
-      ref_params=ref,
-      mesh=mesh,
-      pipeline=pipeline,
-      max_tokens=24,
-      vocab_chunk=8,
-    )
-    return value_grads, new["params"]
+    (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], b)
+    new, _ = step_lib.apply_gradients(state, grads, metrics, tx)
+    return ((value, metrics), grads), new["params"]
 
   return jax.device_get(jax.jit(both)(state, batch))
 

@@ -31,7 +31,8 @@ def generate(
   top_k: int = 0,
   top_p: float = 1.0,
 ) -> Generation:
-  """Samples up to `max_new_tokens` per row after right-padded prompts; stops rows at EOS.
+  """Samples up to `max_new_tokens` per row after right-padded prompts; stops rows at EOS
+  (`cfg.eos_id`).
 
   Tokens come from `sampling.processed_logits` (temperature, then top-k, then top-p); the
   recorded log-probs are of that distribution. One policy pass per generated token; the loop
@@ -55,7 +56,7 @@ def generate(
     logprob_B = take(logp_BV, token_B)
     tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
     logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
-    done_B = done_B | (token_B == EOS)
+    done_B = done_B | (token_B == cfg.eos_id)
     logits_B1V, _, cache = pol.decode(params, cfg, cache, token_B[:, None])
     return step + 1, cache, logits_B1V[:, 0], key, done_B, tokens_BN, logprobs_BN, passes + 1
 
@@ -70,12 +71,13 @@ def generate(
     jnp.int32(1),
   )
   _, _, _, _, _, tokens_BN, logprobs_BN, passes = jax.lax.while_loop(cond, body, init)
-  return Generation(tokens_BN, logprobs_BN, output_lengths(tokens_BN), {"policy_passes": passes})
+  lengths_B = output_lengths(tokens_BN, cfg.eos_id)
+  return Generation(tokens_BN, logprobs_BN, lengths_B, {"policy_passes": passes})
 
 
-def output_lengths(tokens_BN):
-  """Generated length per row: up to and including the first EOS, else N."""
+def output_lengths(tokens_BN, eos_id: int = EOS):
+  """Generated length per row: up to and including the first `eos_id`, else N."""
   N = tokens_BN.shape[1]
-  is_eos_BN = tokens_BN == EOS
+  is_eos_BN = tokens_BN == eos_id
   first_B = jnp.argmax(is_eos_BN, axis=1)
   return jnp.where(is_eos_BN.any(1), first_B + 1, N).astype(jnp.int32)

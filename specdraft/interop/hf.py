@@ -174,6 +174,11 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     qkv_bias=family == "qwen2",
     qk_norm=family == "qwen3",
   )
+  eos = hc.get("eos_token_id")  # a list names several stop tokens: the first ends generation
+  if isinstance(eos, list):
+    eos = eos[0] if eos else None
+  if eos is not None:
+    kw["eos_id"] = int(eos)
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
 
@@ -228,6 +233,14 @@ def expected_tensors(cfg: pol.PolicyConfig) -> dict[str, tuple[int, ...]]:
   for key, shape, _ in _layer_tensors(cfg).values():
     out.update({key.format(i=i): shape for i in range(cfg.n_layers)})
   return out
+
+
+def check_checkpoint(path: str, cfg: pol.PolicyConfig) -> None:
+  """Raises, naming the key and the expected shape, unless the checkpoint at `path` holds every
+  tensor of `cfg` (the safetensors headers and memory maps only: no tensor is read)."""
+  st = SafetensorsDir(path)
+  for key, shape in expected_tensors(cfg).items():
+    st.get(key, shape)
 
 
 def load_params(path: str, cfg: pol.PolicyConfig, *, dtype=np.float32, shardings=None):
@@ -355,6 +368,7 @@ def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
     "use_sliding_window": False,
     "tie_word_embeddings": cfg.tie_embeddings,
     "initializer_range": cfg.init_std,
+    "eos_token_id": cfg.eos_id,
     "torch_dtype": {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
       np.dtype(dtype).name
     ],

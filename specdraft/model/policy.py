@@ -40,6 +40,7 @@ class PolicyConfig:
   tap_layers: tuple[int, ...] | None = None
   init_std: float = 0.02
   dtype: str = "float32"
+  eos_id: int = 2  # the token that ends a generation (the character tokenizer's EOS by default)
 
   @property
   def taps(self) -> tuple[int, ...]:

@@ -12,12 +12,14 @@ import numpy as np
 
 from specdraft.tasks.base import Example
 from specdraft.tasks.datasets import to_example
-from specdraft.tasks.tokenizer import PAD, CharTokenizer
+from specdraft.tasks.tokenizer import CharTokenizer, HFTokenizer
+
+Tokenizer = CharTokenizer | HFTokenizer
 
 
-def encode_sft(ex: Example, tok: CharTokenizer, seq_len: int) -> dict[str, np.ndarray]:
-  p = tok.encode(ex.prompt, bos=True)
-  a = tok.encode(ex.answer, eos=True)
+def encode_sft(ex: Example, tok: Tokenizer, seq_len: int) -> dict[str, np.ndarray]:
+  p = tok.encode_prompt(ex.prompt)
+  a = tok.encode_answer(ex.answer)
   if len(p) + len(a) > seq_len:
     raise ValueError(
       f"example of {len(p) + len(a)} tokens does not fit data.seq_len={seq_len}: "
@@ -28,11 +30,11 @@ def encode_sft(ex: Example, tok: CharTokenizer, seq_len: int) -> dict[str, np.nd
   return {"tokens": tokens, "loss_mask": mask}
 
 
-def pad_row(ex: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
+def pad_row(ex: dict[str, np.ndarray], seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
   n = len(ex["tokens"])
   pad = seq_len - n
   return {
-    "tokens": np.pad(ex["tokens"], (0, pad), constant_values=PAD),
+    "tokens": np.pad(ex["tokens"], (0, pad), constant_values=pad_id),
     "loss_mask": np.pad(ex["loss_mask"], (0, pad)),
     "positions": np.pad(np.arange(n, dtype=np.int32), (0, pad)),
     "segment_ids": np.pad(np.ones(n, np.int32), (0, pad)),
@@ -61,7 +63,7 @@ def _shard(source, shard: tuple[int, int]) -> grain.MapDataset:
 
 def sft_dataset(
   source,
-  tok: CharTokenizer,
+  tok: Tokenizer,
   *,
   batch_size: int,
   seq_len: int,
@@ -91,7 +93,7 @@ def sft_dataset(
     )
     it = it.map(_rename_packed)
   else:
-    it = it.map(lambda e: pad_row(e, seq_len))
+    it = it.map(lambda e: pad_row(e, seq_len, tok.pad_id))
   return it.batch(batch_size, drop_remainder=True)
 
 
@@ -104,12 +106,13 @@ def _rename_packed(e):
   }
 
 
-def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
-  """Right-padded prompts [B,P] (BOS + prompt) and their lengths [B]."""
-  rows = [tok.encode(e.prompt, bos=True) for e in examples]
+def prompt_batch(examples: list[Example], tok: Tokenizer, prompt_len: int):
+  """Right-padded prompts [B,P] (`tok.encode_prompt`: BOS + prompt, or the chat template's
+  rendering) and their lengths [B]."""
+  rows = [tok.encode_prompt(e.prompt) for e in examples]
   if max(map(len, rows)) > prompt_len:
     raise ValueError(f"a prompt of {max(map(len, rows))} tokens exceeds prompt_len={prompt_len}")
-  out = np.full((len(rows), prompt_len), PAD, np.int32)
+  out = np.full((len(rows), prompt_len), tok.pad_id, np.int32)
   for i, r in enumerate(rows):
     out[i, : len(r)] = r
   return out, np.asarray([len(r) for r in rows], np.int32)
@@ -117,7 +120,7 @@ def prompt_batch(examples: list[Example], tok: CharTokenizer, prompt_len: int):
 
 def prompt_dataset(
   source,
-  tok: CharTokenizer,
+  tok: Tokenizer,
   *,
   batch_size: int,
   prompt_len: int,
@@ -129,11 +132,13 @@ def prompt_dataset(
 
   def enc(r):
     ex = to_example(r)
-    ids = tok.encode(ex.prompt, bos=True)
+    ids = tok.encode_prompt(ex.prompt)
     if len(ids) > prompt_len:
       raise ValueError(f"prompt of {len(ids)} tokens exceeds prompt_len={prompt_len}")
     return {
-      "prompts": np.pad(np.asarray(ids, np.int32), (0, prompt_len - len(ids))),
+      "prompts": np.pad(
+        np.asarray(ids, np.int32), (0, prompt_len - len(ids)), constant_values=tok.pad_id
+      ),
       "prompt_lengths": np.int32(len(ids)),
       "prompt_text": ex.prompt,
       "answer_text": ex.answer,

@@ -19,10 +19,11 @@ from specdraft.tasks import CharTokenizer, loader
 PROMPT_MULTIPLE = 128
 
 
-def prompt_len_for(task) -> int:
-  """A safe upper bound on any prompt (the task's longest, with BOS); above 1024 tokens rounded
-  up to a multiple of PROMPT_MULTIPLE."""
-  n = task.max_length() + 1
+def prompt_len_for(task, tok=None) -> int:
+  """A safe upper bound on any prompt's tokens (the task's longest, with BOS or the chat
+  template's frame, `tok`: the character tokenizer by default); above 1024 tokens rounded up to
+  a multiple of PROMPT_MULTIPLE."""
+  n = (tok or CharTokenizer()).max_prompt_tokens(task.max_length())
   if n <= 1024:
     return n
   return -(-n // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
@@ -38,9 +39,11 @@ def evaluate(
   max_new_tokens: int,
   prompt_len: int,
   sharding=None,
+  tok=None,
 ) -> dict:
-  """Greedy accuracy (mean reward) on `examples`; batches are padded by repetition."""
-  tok = CharTokenizer()
+  """Greedy accuracy (mean reward) on `examples`; batches are padded by repetition (`tok`: the
+  run's tokenizer, the character tokenizer by default)."""
+  tok = tok or CharTokenizer()
   rewards, samples = [], []
   for i in range(0, len(examples), batch_size):
     chunk = examples[i : i + batch_size]

@@ -34,8 +34,9 @@ from specdraft.model import drafts, eagle3
 from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import multihost
 from specdraft.rl import grpo
-from specdraft.tasks import CharTokenizer, Example, loader, make_task
+from specdraft.tasks import Example, loader, make_task
 from specdraft.tasks import datasets as task_data
+from specdraft.tasks import tokenizer as tok_lib
 from specdraft.train import checkpoint as ckpt_lib
 from specdraft.train import draft as draft_lib
 from specdraft.train import sequence, shards
@@ -63,7 +64,7 @@ class Context:
     tfds.disable_progress_bar()
     self.config, self.workdir = config, workdir
     self.task = make_task(config.task)
-    self.tok = CharTokenizer()
+    self.tok = tok_lib.make_tokenizer(config)
     # Process 0 generates the task's files (once per data_dir); the others then read them.
     if not multihost.is_primary():
       multihost.sync("specdraft: task data prepared")
@@ -73,7 +74,7 @@ class Context:
       multihost.sync("specdraft: task data prepared")
     n_eval = min(config.eval.num_examples, len(test_src))
     self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
-    self.pcfg = state_lib.policy_config(config)
+    self.pcfg = state_lib.policy_config(config, self.tok)
     self.dcfg = drafts.draft_config(
       config.draft, self.pcfg, config.decode.num_draft, vocab_ids=self._draft_vocab()
     )
@@ -89,7 +90,7 @@ class Context:
       from specdraft.model.pipelined import PipelineSpec
 
       self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
-    self.prompt_len = prompt_len_for(self.task)
+    self.prompt_len = prompt_len_for(self.task, self.tok)
     # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
     self.cp = sequence.cp_size(self.mesh)
     cm = config.compute
@@ -102,13 +103,11 @@ class Context:
     n = int(self.config.draft.get("vocab_size", 0))
     if not n or n >= self.pcfg.vocab_size:
       return None
-    from specdraft.tasks.tokenizer import EOS
-
     rows = (
-      self.tok.encode(task_data.to_example(self.train_src[i]).answer, eos=True)
+      self.tok.encode_answer(task_data.to_example(self.train_src[i]).answer)
       for i in range(len(self.train_src))
     )
-    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=(EOS,))
+    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=(self.tok.eos_id,))
 
   def training_batch(self, blocks: dict[int, dict], num_shards: int) -> dict:
     """The global training batch from this process's data shards ({shard j: host batch}), each
@@ -186,6 +185,7 @@ class Context:
       max_new_tokens=c.decode.max_new_tokens,
       prompt_len=self.prompt_len,
       sharding=self.rows_sh,
+      tok=self.tok,
     )
     return res if samples else {"accuracy": res["accuracy"]}
 
@@ -293,7 +293,9 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     sharding=mesh_lib.batch_sharding(ctx.mesh, ctx.rules, ndim=2),
   )
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
-  state = state_lib.init_state(ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed)
+  state = state_lib.init_state(
+    ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed, init_from=c.model.get("init_from", "") or ""
+  )
   sh = state_lib.state_shardings(state)
   train_step = jax.jit(
     functools.partial(

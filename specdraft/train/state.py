@@ -6,6 +6,7 @@ A state is a dict pytree `{"step", "params", "opt_state", ...}`; every phase of 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -15,22 +16,46 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
-from specdraft.tasks import CharTokenizer
+from specdraft.tasks import tokenizer as tok_lib
 
 
-def policy_config(config) -> pol.PolicyConfig:
-  return pol.PolicyConfig.from_config(config.model, CharTokenizer().vocab_size)
+def policy_config(config, tok=None) -> pol.PolicyConfig:
+  """The policy's config: `config.model`'s fields over the tokenizer's vocabulary, or, with
+  `model.init_from` set, the architecture of that Hugging Face checkpoint (config.json) with
+  `model.tap_layers` and `model.dtype` applied. Generation stops at the tokenizer's EOS."""
+  tok = tok or tok_lib.make_tokenizer(config)
+  path = config.model.get("init_from", "") or ""
+  if path:
+    from specdraft.interop import hf
+
+    taps = config.model.tap_layers
+    return hf.read_config(
+      path,
+      tap_layers=tuple(taps) if taps is not None else None,
+      dtype=config.model.dtype,
+      eos_id=tok.eos_id,
+    )
+  cfg = pol.PolicyConfig.from_config(config.model, tok.vocab_size)
+  return dataclasses.replace(cfg, eos_id=tok.eos_id)
 
 
 def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int):
-  """Abstract init -> shardings -> materialise sharded (never whole on one device)."""
+def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int, *, init_from: str = ""):
+  """Abstract init -> shardings -> materialise sharded (never whole on one device). With
+  `init_from` (a Hugging Face checkpoint directory of `pcfg`'s architecture) the parameters are
+  that checkpoint's, each device's shard read from the files as it is placed."""
   abstract = jax.eval_shape(lambda: pol.init_params(pcfg, seed))
   shardings = mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract, rules, mesh)
-  params = jax.jit(lambda: pol.init_params(pcfg, seed), out_shardings=shardings)()
+  if init_from:
+    from specdraft.interop import hf
+
+    (dtype,) = {x.dtype for x in jax.tree.leaves(abstract)}  # master weights (float32)
+    params = hf.load_params(init_from, pcfg, dtype=dtype, shardings=shardings)
+  else:
+    params = jax.jit(lambda: pol.init_params(pcfg, seed), out_shardings=shardings)()
   # Moments follow their parameters; counters and other scalars are replicated on the mesh.
   opt_shardings = optax.tree_map_params(
     tx,

@@ -303,7 +303,16 @@ def cotrain_step(
     attn_tile=attn_tile,
     remat=remat,
   )
+  return apply_gradients(state, grads, metrics, tx)
+
+
+def apply_gradients(state, grads, metrics, tx):
+  """The optimizer half of `cotrain_step`: one `tx` update of {policy, draft} from `grads` (the
+  gradient of `cotrain_loss`), the step counter advanced, the two gradient norms added to
+  `metrics`. Tests that also need the gradients themselves compose it with their own
+  `value_and_grad(cotrain_loss)` into one program, so the forward/backward is traced once."""
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  metrics = dict(metrics)
   metrics["policy_grad_norm"] = optax.tree.norm(grads["policy"])
   metrics["draft_grad_norm"] = optax.tree.norm(grads["draft"])
   params = optax.apply_updates(state["params"], updates)
