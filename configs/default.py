@@ -137,6 +137,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # EAGLE-3's head over the `vocab_size` most frequent target tokens of the training answers
       # (0: the policy's whole vocabulary); the draft's probability is zero outside them.
       vocab_size=0,
+      # ... or those of a JSON list of vocab_size target ids (e.g. the policy's own frequent
+      # tokens, as experiments/real_model_sd.py writes them); "" = from the training answers
+      vocab_file="",
       # DFlash / DSpark (model/dflash.py): draft layers, block size W (dflash proposes W - 1
       # tokens a round, dspark W; 0: the block that proposes decode.num_draft), loss decay
       # exp(-k / gamma) over the proposals, DSpark's Markov head rank (0: no Markov head, the

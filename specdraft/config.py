@@ -215,6 +215,14 @@ def _validate_draft(config, imported) -> None:
       nv,
       f"must be an integer in [0, {V}]: the draft head's vocabulary (0 = the policy's {V})",
     )
+  vocab_file = dr.get("vocab_file", "")
+  if vocab_file:
+    if not nv:
+      _fail("draft.vocab_file", vocab_file, "needs draft.vocab_size > 0 (its number of ids)")
+    try:
+      read_draft_vocab(vocab_file, nv, V)
+    except (OSError, ValueError) as e:
+      _fail("draft.vocab_file", vocab_file, str(e))
   if nv and kind != "eagle3":
     _fail(
       "draft.vocab_size",
@@ -368,3 +376,21 @@ def _validate_pipeline(config, pp: int, m) -> None:
       f"the co-trained draft reads taps held by stages {plan.sources} ({plan.describe()}); "
       "use 'direct' or 'bulk' ('off' is a timing control only)",
     )
+
+
+def read_draft_vocab(path: str, size: int, vocab_size: int) -> tuple[int, ...]:
+  """The reduced draft vocabulary of a JSON file: a list of `size` distinct target ids in
+  [0, vocab_size) (sorted on reading)."""
+  import json
+
+  with open(path) as f:
+    ids = json.load(f)
+  if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+    raise ValueError(f"{path}: expected a JSON list of integer token ids")
+  ids = sorted(ids)
+  if len(ids) != size or len(set(ids)) != size or ids[0] < 0 or ids[-1] >= vocab_size:
+    raise ValueError(
+      f"{path}: expected {size} distinct ids in [0, {vocab_size}) (draft.vocab_size={size}); "
+      f"got {len(ids)} ({len(set(ids))} distinct) from {ids[:1]} to {ids[-1:]}"
+    )
+  return tuple(ids)

