@@ -25,9 +25,11 @@ def get_config(arg: str | None = None):
   c.real = dict(
     gguf=arg.gguf,  # "" = the packaged SmolLM2-135M-Instruct file
     hf_dir="",  # "" = <run dir>/hf (converted once, reused while the file is unchanged)
-    # (temperature, batch) points timed side by side after the run; the first is the goal's
-    report=((0.0, 1), (1.0, 1), (0.0, 8)),
-    repeats=3,
+    # (temperature, batch) points timed side by side after the run, each over `eval_prompts`
+    # distinct held-out prompts in batches; the first is the goals'
+    report=((0.0, 1), (0.0, 8), (1.0, 8)),
+    eval_prompts=8,
+    repeats=2,
     parity_prompts=3,  # held-out prompts checked against transformers' own GGUF loader
     vocab_prompts=256,  # training prompts whose generations choose the draft's vocabulary
   )
@@ -41,18 +43,21 @@ def get_config(arg: str | None = None):
   d.kind, d.ttt_steps, d.vocab_size = "eagle3", 3, 2048
   # Sized for ~30 minutes on 2 cores: a distillation step (32 prompts rolled out for 32 tokens
   # at T = 1 by the 30-layer policy, then one draft update on them) took 4.8 s in a first run of
-  # this config at 40 steps, stopped at step 5 to give the draft this budget.
-  d.pretrain_steps = arg.steps or 300
+  # this config at 40 steps, stopped at step 5 to give the draft this budget (with the side-by-side
+  # timing after it).
+  d.pretrain_steps = arg.steps or 240
   d.batch_size, d.lr, d.warmup_steps, d.log_every = 32, 3e-3, 5, 5
   d.rollout_temperature = 1.0
-  c.eval.num_examples, c.eval.batch_size, c.eval.every = 4, 1, 1000
-  c.eval.sd_temperature, c.eval.report_repeats = 0.0, 3
+  # the run's own report is off: the points of real.report are timed after it
+  c.eval.num_examples, c.eval.batch_size, c.eval.every = 8, 1, 1000
+  c.eval.sd_temperature, c.eval.report_repeats = 0.0, 0
   c.checkpoint.every = 50
   if arg.smoke:
     d.pretrain_steps, d.log_every, d.batch_size = arg.steps or 2, 1, 4
-    c.eval.num_examples, c.eval.report_repeats = 2, 1
+    c.eval.num_examples = 2
     c.decode.max_new_tokens = 16
     c.real.report, c.real.repeats, c.real.parity_prompts = ((0.0, 1),), 1, 1
+    c.real.eval_prompts = 2
     c.real.vocab_prompts = 32
   c.real.goals = dict(
     tau=dict(

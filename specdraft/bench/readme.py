@@ -714,12 +714,14 @@ def real_model(r: dict) -> str:
     f"{k['draft_batch']} of the policy's own T = 1 rollouts (final draft loss "
     f"{_f(draft['draft_loss'], 3)}), with no SFT and no RL. The whole experiment took "
     f"{_f(r['total_seconds'] / 60, 1)} min. Then SD (G={k['num_draft']}) and AR generated "
-    f"{k['max_new_tokens']} new tokens on held-out prompts, timed side by side:"
+    f"{k['max_new_tokens']} new tokens on distinct held-out prompts, each batch of them timed "
+    "side by side (τ and tokens/s: means over the batches; speedup: their geometric mean):"
   )
   rows = [
     [
       _f(x["temperature"], 0),
       x["batch"],
+      x["prompts"],
       f"{x['ar_tokens_per_s']:.1f}",
       f"{x['sd_tokens_per_s']:.1f}",
       f"{_f(x['speedup'])}×",
@@ -729,7 +731,8 @@ def real_model(r: dict) -> str:
     for x in r["points"]
   ]
   table = _table(
-    ["T", "batch", "AR tok/s", "SD tok/s", "speedup", "τ", "SD policy passes/token"], rows
+    ["T", "batch", "prompts", "AR tok/s", "SD tok/s", "speedup", "τ", "SD policy passes/token"],
+    rows,
   )
   return head + "\n\n" + table
 

@@ -115,6 +115,54 @@ def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
   return path
 
 
+def point(ctx, params, dparams, config, temperature: float, batch: int) -> dict:
+  """SD vs AR at one (temperature, batch): `real.eval_prompts` distinct held-out prompts in
+  batches of `batch`, each batch timed side by side (`compare_rollouts`). tau and the rates are
+  the means over batches (each prompt counts once), speedup the geometric mean of the batches'
+  speedups; the per-batch rows are kept."""
+  n = int(config.real.eval_prompts)
+  if n % batch or n > len(ctx.eval_examples):
+    raise ValueError(
+      f"config.real.eval_prompts={n} must be a multiple of batch {batch} and at most "
+      f"eval.num_examples={len(ctx.eval_examples)}"
+    )
+  rows = []
+  for start in range(0, n, batch):
+    exs = ctx.eval_examples[start : start + batch]
+    prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    rows.append(
+      compare_rollouts(
+        params,
+        dparams,
+        ctx.pcfg,
+        ctx.dcfg,
+        prompts,
+        lengths,
+        max_new_tokens=config.decode.max_new_tokens,
+        num_draft=config.decode.num_draft,
+        temperature=temperature,
+        repeats=int(config.real.repeats),
+        seed=100 + start,
+      )  # fmt: skip
+    )
+  mean = lambda k: float(np.mean([x[k] for x in rows]))
+  out = {
+    "point": f"T{temperature:g}_B{batch}",
+    "temperature": temperature,
+    "batch": batch,
+    "prompts": n,
+    "tau": mean("tau"),
+    "speedup": float(np.exp(np.mean([np.log(x["speedup"]) for x in rows]))),
+    "ar_tokens_per_s": mean("ar_tokens_per_s"),
+    "sd_tokens_per_s": mean("sd_tokens_per_s"),
+    "sd_policy_passes_per_token": mean("sd_policy_passes_per_token"),
+    "greedy_equal": all(x["greedy_equal"] for x in rows),
+    "batches": rows,
+  }
+  print(f"  {out['point']}: speedup {out['speedup']:.2f}x tau {out['tau']:.2f}", flush=True)
+  return out
+
+
 def run(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   r = config.real
@@ -134,18 +182,7 @@ def run(config, workdir: str) -> dict:
   check = parity(ctx, params, gguf_path, int(r.parity_prompts), config.decode.max_new_tokens)
   print(f"  parity: max rel logit diff {check['max_rel_logit_diff']:.2e}, greedy equal "
         f"{check['greedy_equal']}", flush=True)  # fmt: skip
-  points = []
-  for temperature, batch in r.report:
-    exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(int(batch))]
-    prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
-    row = compare_rollouts(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts, lengths,
-      max_new_tokens=config.decode.max_new_tokens, num_draft=config.decode.num_draft,
-      temperature=float(temperature), repeats=int(r.repeats), seed=100,
-    )  # fmt: skip
-    row["point"] = f"T{temperature:g}_B{batch}"
-    points.append(row)
-    print(f"  {row['point']}: speedup {row['speedup']:.2f}x tau {row['tau']:.2f}", flush=True)
+  points = [point(ctx, params, dparams, config, float(t), int(b)) for t, b in r.report]
   payload = {
     "config": {
       "gguf": os.path.basename(gguf_path),

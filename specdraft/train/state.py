@@ -90,6 +90,8 @@ def restore(ckpt, state, data_iter, *logs):
     if data_iter is not None:
       data_iter.set_state(extra["data_iter"])
     print(f"Resumed {os.path.basename(ckpt.mngr.directory)} from step {start}", flush=True)
+  # From scratch (no checkpoint: a phase killed before its first one, or one of 0 steps run
+  # again) every row goes, the step-0 evaluation included, which the phase writes again.
   for log in logs:
-    log.truncate_after(start)
+    log.truncate_after(start if start > 0 else -1)
   return start, state
