@@ -144,9 +144,10 @@ def _validate_task_and_data(config, tok) -> None:
     _fail("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
   if d.batch_size < 1:
     _fail("data.batch_size", d.batch_size, "must be >= 1")
-  # BOS (or the chat template's frame) + prompt + answer + EOS, bounded from the characters
+  # BOS + prompt + answer + EOS, bounded from the characters (a pretrained tokenizer's rows are
+  # measured on the data instead, before anything compiles: train/phases.Context)
   need = tok.max_prompt_tokens(task.max_length()) + tok.max_answer_tokens(0)
-  if d.seq_len < need:
+  if isinstance(tok, tok_lib.CharTokenizer) and d.seq_len < need:
     _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
   s = config.sft
   if s.steps < 0 or s.lr <= 0:
@@ -329,9 +330,10 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
   cp, tp = int(p.mesh.get("cp", 1)), int(p.mesh.get("tensor", 1))
   if config.data.seq_len < 2 * cp:
     _fail("data.seq_len", config.data.seq_len, f"must be >= 2*cp={2 * cp} (two zigzag chunks)")
-  for field in ("n_heads", "n_kv_heads"):
+  for field, hf_name in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads")):
     if getattr(m, field) % tp:
-      _fail(f"model.{field}", getattr(m, field), f"must be divisible by tensor={tp}")
+      name = f"model.{field}" if imported is None else f"model.init_from's {hf_name}"
+      _fail(name, getattr(m, field), f"must be divisible by tensor={tp}")
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
     _validate_pipeline(config, pp, m)

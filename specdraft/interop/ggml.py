@@ -176,8 +176,13 @@ def _tokenizer_files(meta: dict, path: str) -> tuple[dict, dict]:
   types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
   merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
   vocab = {t: i for i, t in enumerate(tokens)}
-  tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
   style, regex = PRE_TOKENIZERS[pre]
+  # Llama-3's tokenizer takes a pre-token that is itself in the vocabulary whole, merges or not
+  bpe = models.BPE(
+    vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+    ignore_merges=pre in ("llama-bpe", "llama3"),
+  )  # fmt: skip
+  tk = Tokenizer(bpe)
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=style != "split")
   if style == "gpt2":
     tk.pre_tokenizer = byte_level

@@ -8,9 +8,10 @@ Both give the task and reward code the same interface:
   tok.decode(ids)             text of generated ids, up to the first EOS, specials skipped
   tok.pad_id / bos_id / eos_id / vocab_size, tok.max_prompt_tokens(n) / max_answer_tokens(n)
 
-`max_*_tokens(n)` bound the ids of any text of n characters (buffers are sized from them before
-any data is read): one id per character for the character tokenizer; for a byte-level BPE every
-id covers at least one byte, so the bound is the byte count plus the fixed tokens around it.
+`max_*_tokens(n)` bound the ids of any text of n characters: one id per character for the
+character tokenizer (buffers are sized from it before any data is read); for a byte-level BPE
+every id covers at least one byte, so 4 per character (UTF-8) plus the fixed tokens around it, a
+bound loose enough that a run measures its actual prompts and rows instead.
 `make_tokenizer(config)` picks one: `data.tokenizer` = "" (the character tokenizer, or the
 `model.init_from` checkpoint's tokenizer.json when a policy is imported) or a path to a
 tokenizer.json or to the directory holding it.
@@ -138,14 +139,27 @@ class HFTokenizer:
     self._template = None
     if chat_template:
       template = tc.get("chat_template")
+      jinja_file = os.path.join(folder, "chat_template.jinja")  # where newer checkpoints keep it
+      if not template and os.path.isfile(jinja_file):
+        with open(jinja_file) as f:
+          template = f.read()
       if isinstance(template, list):  # named templates: the default one
         template = {t["name"]: t["template"] for t in template}.get("default")
       if not template:
         raise ValueError(
-          f"data.chat_template=True but {folder}/tokenizer_config.json has no chat_template"
+          f"data.chat_template=True but {folder} has no chat template (tokenizer_config.json "
+          "chat_template or chat_template.jinja)"
         )
-      self._template = _compile_template(template)
-    self._specials = {int(i) for i in self._tok.get_added_tokens_decoder()} | {
+      try:
+        self._template = _compile_template(template)
+      except ImportError:
+        raise
+      except Exception as e:  # jinja's TemplateSyntaxError
+        raise ValueError(f"{folder}: its chat template does not compile: {e}") from None
+    # decoding skips special tokens only: added tokens that are not special (Qwen3's <think>,
+    # tool-call markers, whitespace runs) are text the reward reads
+    added = self._tok.get_added_tokens_decoder()
+    self._specials = {int(i) for i, t in added.items() if t.special} | {
       i for i in (self.eos_id, self.bos_id, self.pad_id) if i is not None
     }
 
@@ -165,6 +179,12 @@ class HFTokenizer:
     with the generation prompt, or the prompt itself without a template."""
     if self._template is None:
       return prompt
+    try:
+      return self._render(prompt)
+    except Exception as e:  # jinja's TemplateError (a template's raise_exception) and others
+      raise ValueError(f"{self.path}: the chat template fails on a prompt: {e}") from None
+
+  def _render(self, prompt: str) -> str:
     return self._template.render(
       messages=[{"role": "user", "content": prompt}],
       add_generation_prompt=True,
@@ -185,11 +205,13 @@ class HFTokenizer:
     return self._ids(answer) + [self.eos_id]
 
   def max_prompt_tokens(self, chars: int) -> int:
-    frame = len(self.render_prompt("").encode("utf-8"))  # the template's own text, in bytes
-    return frame + chars + 1  # + BOS
+    """At most one id per byte: the template's own bytes, 4 per character (UTF-8), BOS. Loose:
+    runs measure their actual prompts (`train.evaluate.prompt_len_for`)."""
+    frame = len(self.render_prompt("").encode("utf-8"))
+    return frame + 4 * chars + 1
 
   def max_answer_tokens(self, chars: int) -> int:
-    return chars + 1
+    return 4 * chars + 1
 
   def decode(self, ids, *, stop_at_eos: bool = True) -> str:
     out = []

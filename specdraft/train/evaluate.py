@@ -28,7 +28,7 @@ def prompt_len_for(task, tok=None, prompts=None) -> int:
   tok = tok or CharTokenizer()
   n = tok.max_prompt_tokens(task.max_length())
   if prompts is not None and not isinstance(tok, CharTokenizer):
-    n = min(n, max(len(tok.encode_prompt(p)) for p in prompts))
+    n = max(len(tok.encode_prompt(p)) for p in prompts)
   if n <= 1024:
     return n
   return -(-n // PROMPT_MULTIPLE) * PROMPT_MULTIPLE

@@ -94,13 +94,32 @@ class Context:
     prompts = None
     if not isinstance(self.tok, tok_lib.CharTokenizer):
       srcs = (self.train_src, test_src)
-      prompts = (task_data.to_example(s[i]).prompt for s in srcs for i in range(len(s)))
+      prompts = [task_data.to_example(s[i]).prompt for s in srcs for i in range(len(s))]
+      if config.sft.steps > 0:
+        self._check_sft_rows()
     self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
     # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
     self.cp = sequence.cp_size(self.mesh)
     cm = config.compute
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
+
+  def _check_sft_rows(self):
+    """A pretrained tokenizer's rows, measured on the training split before anything compiles
+    (validation's bound from characters is loose for a BPE): each must fit data.seq_len."""
+    longest, where = 0, None
+    for i in range(len(self.train_src)):
+      ex = task_data.to_example(self.train_src[i])
+      n = len(self.tok.encode_prompt(ex.prompt)) + len(self.tok.encode_answer(ex.answer))
+      if n > longest:
+        longest, where = n, ex
+    if longest > self.config.data.seq_len:
+      config_lib._fail(
+        "data.seq_len",
+        self.config.data.seq_len,
+        f"the longest training example is {longest} tokens with {self.tok.path} "
+        f"({where.prompt!r} -> {where.answer[:40]!r})",
+      )
 
   def _draft_vocab(self):
     """A reduced draft vocabulary (draft.vocab_size > 0): the most frequent tokens of the
