@@ -87,7 +87,8 @@ def _policy(config, tok):
     try:
       m = config.model
       taps = tuple(m.tap_layers) if m.tap_layers is not None else None
-      pcfg = hf.read_config(path, eos_id=tok.eos_id, dtype=m.dtype, tap_layers=taps)
+      stops = tuple(i for i in hf.checkpoint_stop_ids(path) if i != tok.eos_id)
+      pcfg = hf.read_config(path, eos_id=tok.eos_id, stop_ids=stops, dtype=m.dtype, tap_layers=taps)
       if m.dtype not in ("float32", "bfloat16"):
         _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
       _check_taps(m.tap_layers, pcfg.n_layers, "the checkpoint's num_hidden_layers")

@@ -78,6 +78,7 @@ def _write_gguf(path, *, pre="gpt2", arch="llama", tokenizer_model="gpt2"):
   w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
   w.add_bos_token_id(0)
   w.add_eos_token_id(2)
+  w.add_eot_token_id(1)  # an end-of-turn id: it ends a generation too
   w.add_pad_token_id(0)
   w.add_add_bos_token(False)
   w.add_chat_template(CHATML)
@@ -127,7 +128,8 @@ def test_logits_equal_transformers_reading_the_same_file(converted):
   ).eval()
   pcfg, params = hf.load_policy(out)
   assert (pcfg.n_layers, pcfg.n_heads, pcfg.n_kv_heads, pcfg.head_dim) == (2, 4, 2, 16)
-  assert not pcfg.tie_embeddings and pcfg.rope_theta == 5000.0 and pcfg.eos_id == 2
+  assert not pcfg.tie_embeddings and pcfg.rope_theta == 5000.0
+  assert (pcfg.eos_id, pcfg.stop_ids) == (2, (1,))  # EOS, then llama.cpp's end-of-turn
   tokens = np.random.default_rng(0).integers(3, pcfg.vocab_size, (2, 24))
   with torch.no_grad():
     want = ref(torch.tensor(tokens)).logits.float().numpy()

@@ -161,3 +161,14 @@ def test_rows_stop_at_the_policys_own_eos_id(setup):
   assert (n2 < np.asarray(ar.lengths)).any()  # the new stop token ended some rows earlier
   np.testing.assert_array_equal(np.asarray(sd2.tokens), np.asarray(ar2.tokens))
   np.testing.assert_array_equal(np.asarray(sd2.lengths), n2)
+  # `stop_ids` (a checkpoint's other EOS ids): the rows stop at EOS or at `stop`, whichever first
+  cfg3 = dataclasses.replace(pcfg, stop_ids=(stop,))
+  ar3 = autoregressive.generate(params, cfg3, prompts, lengths, jax.random.key(0), **gen)
+  sd3 = speculative.generate(
+    params, dparams, cfg3, dcfg, prompts, lengths, jax.random.key(0), num_draft=2, **gen
+  )
+  for row, n_old, n_new in zip(toks, np.asarray(ar.lengths), np.asarray(ar3.lengths)):
+    hits = np.flatnonzero(row[:n_old] == stop)
+    assert n_new == (hits[0] + 1 if len(hits) else n_old)
+  np.testing.assert_array_equal(np.asarray(sd3.tokens), np.asarray(ar3.tokens))
+  np.testing.assert_array_equal(np.asarray(sd3.lengths), np.asarray(ar3.lengths))

@@ -181,6 +181,11 @@ def test_bad_tokenizer_and_checkpoint_settings_are_named_before_any_work(tmp_pat
   model_dir = tmp_path / "model"
   _save_model(model_dir, chatml)
   d = str(tmp_path / "tfds")
+  # generation_config.json's EOS list: the tokenizer's EOS, and the others stop generation too
+  with open(model_dir / "generation_config.json", "w") as f:
+    json.dump({"eos_token_id": [5, 1]}, f)
+  pcfg = state_lib.policy_config(_config(str(model_dir), d))
+  assert (pcfg.eos_id, pcfg.stop_ids) == (1, (5,))
 
   def refused(c, *words):
     with pytest.raises(ValueError) as e:

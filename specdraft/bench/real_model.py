@@ -102,7 +102,10 @@ def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
     toks, lens = np.asarray(gen.tokens), np.asarray(gen.lengths)
     rows += [t[:m].tolist() for t, m in zip(toks, lens)]
   ids = eagle3.frequent_tokens(
-    rows, ctx.pcfg.vocab_size, int(config.draft.vocab_size), always=(ctx.tok.eos_id,)
+    rows,
+    ctx.pcfg.vocab_size,
+    int(config.draft.vocab_size),
+    always=(ctx.tok.eos_id, *ctx.pcfg.stop_ids),
   )
   os.makedirs(run_dir, exist_ok=True)
   with open(path + ".tmp", "w") as f:

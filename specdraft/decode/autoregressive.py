@@ -32,7 +32,7 @@ def generate(
   top_p: float = 1.0,
 ) -> Generation:
   """Samples up to `max_new_tokens` per row after right-padded prompts; stops rows at EOS
-  (`cfg.eos_id`).
+  (`cfg.eos_id`, or one of `cfg.stop_ids`).
 
   Tokens come from `sampling.processed_logits` (temperature, then top-k, then top-p); the
   recorded log-probs are of that distribution. One policy pass per generated token; the loop
@@ -56,7 +56,7 @@ def generate(
     logprob_B = take(logp_BV, token_B)
     tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
     logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
-    done_B = done_B | (token_B == cfg.eos_id)
+    done_B = done_B | pol.is_stop(cfg, token_B)
     logits_B1V, _, cache = pol.decode(params, cfg, cache, token_B[:, None])
     return step + 1, cache, logits_B1V[:, 0], key, done_B, tokens_BN, logprobs_BN, passes + 1
 
@@ -71,13 +71,14 @@ def generate(
     jnp.int32(1),
   )
   _, _, _, _, _, tokens_BN, logprobs_BN, passes = jax.lax.while_loop(cond, body, init)
-  lengths_B = output_lengths(tokens_BN, cfg.eos_id)
+  lengths_B = output_lengths(tokens_BN, cfg)
   return Generation(tokens_BN, logprobs_BN, lengths_B, {"policy_passes": passes})
 
 
-def output_lengths(tokens_BN, eos_id: int = EOS):
-  """Generated length per row: up to and including the first `eos_id`, else N."""
+def output_lengths(tokens_BN, cfg=None):
+  """Generated length per row: up to and including the first stop token (`cfg`'s EOS and stop
+  ids; the character tokenizer's EOS without a config), else N."""
   N = tokens_BN.shape[1]
-  is_eos_BN = tokens_BN == eos_id
+  is_eos_BN = tokens_BN == EOS if cfg is None else pol.is_stop(cfg, tokens_BN)
   first_B = jnp.argmax(is_eos_BN, axis=1)
   return jnp.where(is_eos_BN.any(1), first_B + 1, N).astype(jnp.int32)

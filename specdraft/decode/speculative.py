@@ -134,7 +134,7 @@ def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, 
     "out": jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B),
     "out_lp": jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
     "out_len": out_len_B,
-    "done": (c_B == models.pcfg.eos_id) | (out_len_B >= N),
+    "done": pol.is_stop(models.pcfg, c_B) | (out_len_B >= N),
   }
   return taps, capacity, carry
 
@@ -190,13 +190,13 @@ def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, sm: Sam
   return jnp.stack(tokens, 1), jnp.stack(probs, 1), dcache
 
 
-def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G, eos_id: int):
-  """Writes tokens[0..a] after each row's output, cut at EOS (`eos_id`) and at N; finished rows
-  emit nothing. Returns (out, out_lp, out_len, done)."""
+def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G, pcfg):
+  """Writes tokens[0..a] after each row's output, cut at a stop token (`pol.is_stop`) and at N;
+  finished rows emit nothing. Returns (out, out_lp, out_len, done)."""
   rows = jnp.arange(tokens_BG1.shape[0])
   idx = jnp.arange(G + 1)[None]
   out_len_B = carry["out_len"]
-  is_eos = (tokens_BG1 == eos_id) & (idx <= a_B[:, None])
+  is_eos = pol.is_stop(pcfg, tokens_BG1) & (idx <= a_B[:, None])
   first_eos_B = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), G + 1)
   count_B = jnp.minimum(jnp.minimum(a_B + 1, first_eos_B + 1), N - out_len_B)
   count_B = jnp.where(active_B, count_B, 0)
@@ -237,9 +237,7 @@ def _verify(models: _Models, carry, key, draft_BG, q_probs_BGV, *, N, G, sm: Sam
   q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
   tokens_BG1, a_B = sampler(key, draft_BG, q_probs_BGV, p_probs_BG1V)
   logprobs_BG1 = take(logp_BG1V, tokens_BG1)
-  emitted = _emit(
-    carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], N=N, G=G, eos_id=models.pcfg.eos_id
-  )
+  emitted = _emit(carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], N=N, G=G, pcfg=models.pcfg)
   return tokens_BG1, a_B, vtaps, pcache, emitted
 
 

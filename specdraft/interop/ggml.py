@@ -119,9 +119,17 @@ def _hf_config(meta: dict, arch: str, tied: bool, path: str) -> dict:
     "tie_word_embeddings": tied,
     "torch_dtype": "float32",
   }
-  for key, name in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
+  for key, name in (("bos", "bos_token_id"), ("padding", "pad_token_id")):
     if f"tokenizer.ggml.{key}_token_id" in meta:
       cfg[name] = int(meta[f"tokenizer.ggml.{key}_token_id"])
+  # EOS, then llama.cpp's end-of-turn / end-of-message ids: every one ends a generation
+  stops = []
+  for key in ("eos", "eot", "eom"):
+    i = meta.get(f"tokenizer.ggml.{key}_token_id")
+    if i is not None and int(i) not in stops:
+      stops.append(int(i))
+  if stops:
+    cfg["eos_token_id"] = stops if len(stops) > 1 else stops[0]
   return cfg
 
 

@@ -174,13 +174,29 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     qkv_bias=family == "qwen2",
     qk_norm=family == "qwen3",
   )
-  eos = hc.get("eos_token_id")  # a list names several stop tokens: the first ends generation
-  if isinstance(eos, list):
-    eos = eos[0] if eos else None
-  if eos is not None:
-    kw["eos_id"] = int(eos)
+  stops = checkpoint_stop_ids(path)
+  if stops:  # the first is EOS, the others stop generation too
+    kw["eos_id"], kw["stop_ids"] = stops[0], tuple(stops[1:])
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
+
+
+def checkpoint_stop_ids(path: str) -> list[int]:
+  """The token ids that end a generation, as the checkpoint names them: generation_config.json's
+  eos_token_id (an id or a list), else config.json's; first the main one."""
+  out: list[int] = []
+  for name in ("generation_config.json", "config.json"):
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+      continue
+    with open(file) as f:
+      eos = json.load(f).get("eos_token_id")
+    for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+      if int(i) not in out:
+        out.append(int(i))
+    if out:
+      break
+  return out
 
 
 # ----------------------------------------------------------------------------- weights
@@ -368,7 +384,7 @@ def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
     "use_sliding_window": False,
     "tie_word_embeddings": cfg.tie_embeddings,
     "initializer_range": cfg.init_std,
-    "eos_token_id": cfg.eos_id,
+    "eos_token_id": [cfg.eos_id, *cfg.stop_ids] if cfg.stop_ids else cfg.eos_id,
     "torch_dtype": {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[
       np.dtype(dtype).name
     ],

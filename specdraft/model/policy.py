@@ -41,6 +41,7 @@ class PolicyConfig:
   init_std: float = 0.02
   dtype: str = "float32"
   eos_id: int = 2  # the token that ends a generation (the character tokenizer's EOS by default)
+  stop_ids: tuple[int, ...] = ()  # more tokens that end one (a checkpoint's other EOS ids)
 
   @property
   def taps(self) -> tuple[int, ...]:
@@ -60,6 +61,14 @@ class PolicyConfig:
     if kw.get("tap_layers") is not None:
       kw["tap_layers"] = tuple(kw["tap_layers"])
     return cls(vocab_size=vocab_size, **kw)
+
+
+def is_stop(cfg: PolicyConfig, tokens):
+  """Whether each token ends a generation: `cfg.eos_id` or one of `cfg.stop_ids`."""
+  out = tokens == cfg.eos_id
+  for t in cfg.stop_ids:
+    out = out | (tokens == t)
+  return out
 
 
 def default_tap_layers(n_layers: int) -> tuple[int, ...]:

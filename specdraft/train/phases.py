@@ -134,7 +134,8 @@ class Context:
       self.tok.encode_answer(task_data.to_example(self.train_src[i]).answer)
       for i in range(len(self.train_src))
     )
-    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=(self.tok.eos_id,))
+    stops = (self.tok.eos_id, *self.pcfg.stop_ids)  # a draft must be able to stop
+    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=stops)
 
   def training_batch(self, blocks: dict[int, dict], num_shards: int) -> dict:
     """The global training batch from this process's data shards ({shard j: host batch}), each

@@ -22,18 +22,21 @@ from specdraft.tasks import tokenizer as tok_lib
 def policy_config(config, tok=None) -> pol.PolicyConfig:
   """The policy's config: `config.model`'s fields over the tokenizer's vocabulary, or, with
   `model.init_from` set, the architecture of that Hugging Face checkpoint (config.json) with
-  `model.tap_layers` and `model.dtype` applied. Generation stops at the tokenizer's EOS."""
+  `model.tap_layers` and `model.dtype` applied. Generation stops at the tokenizer's EOS and at
+  the checkpoint's other EOS ids (generation_config.json / config.json)."""
   tok = tok or tok_lib.make_tokenizer(config)
   path = config.model.get("init_from", "") or ""
   if path:
     from specdraft.interop import hf
 
     taps = config.model.tap_layers
+    stops = tuple(i for i in hf.checkpoint_stop_ids(path) if i != tok.eos_id)
     return hf.read_config(
       path,
       tap_layers=tuple(taps) if taps is not None else None,
       dtype=config.model.dtype,
       eos_id=tok.eos_id,
+      stop_ids=stops,
     )
   cfg = pol.PolicyConfig.from_config(config.model, tok.vocab_size)
   return dataclasses.replace(cfg, eos_id=tok.eos_id)
