@@ -41,17 +41,17 @@ def get_config(arg: str | None = None):
   c.decode.max_new_tokens, c.decode.num_draft = 32, 5
   d = c.draft
   d.kind, d.ttt_steps, d.vocab_size = "eagle3", 3, 2048
-  # Sized for ~30 minutes on 2 cores: a distillation step (32 prompts rolled out for 32 tokens
-  # at T = 1 by the 30-layer policy, then one draft update on them) took 4.8 s in a first run of
-  # this config at 40 steps, stopped at step 5 to give the draft this budget (with the side-by-side
-  # timing after it).
-  d.pretrain_steps = arg.steps or 240
+  # A distillation step (32 prompts rolled out for 32 tokens at T = 1 by the 30-layer policy,
+  # then one draft update on them) took about 30 s on 2 cores with nothing else running (steps
+  # 15-20 of a run of this config that was stopped at step 20), so 50 steps are about 25 minutes,
+  # plus about 15 for conversion, the draft's vocabulary, the checks and the timed points.
+  d.pretrain_steps = arg.steps or 50
   d.batch_size, d.lr, d.warmup_steps, d.log_every = 32, 3e-3, 5, 5
   d.rollout_temperature = 1.0
   # the run's own report is off: the points of real.report are timed after it
   c.eval.num_examples, c.eval.batch_size, c.eval.every = 8, 1, 1000
   c.eval.sd_temperature, c.eval.report_repeats = 0.0, 0
-  c.checkpoint.every = 50
+  c.checkpoint.every = 10
   if arg.smoke:
     d.pretrain_steps, d.log_every, d.batch_size = arg.steps or 2, 1, 4
     c.eval.num_examples = 2
