@@ -59,7 +59,7 @@ def validate(config, *, num_devices: int | None = None) -> None:
   _validate_model(config.model, pcfg)
   _validate_task_and_data(config, tok)
   _validate_decoding(config)
-  _validate_draft(config, pcfg)
+  _validate_draft(config, pcfg, tok)
   _validate_rl(config)
   _validate_compute(config)
   _validate_layout(config, num_devices, pcfg)
@@ -87,8 +87,7 @@ def _policy(config, tok):
     try:
       m = config.model
       taps = tuple(m.tap_layers) if m.tap_layers is not None else None
-      stops = tuple(i for i in hf.checkpoint_stop_ids(path) if i != tok.eos_id)
-      pcfg = hf.read_config(path, eos_id=tok.eos_id, stop_ids=stops, dtype=m.dtype, tap_layers=taps)
+      pcfg = hf.read_config(path, eos_id=tok.eos_id, dtype=m.dtype, tap_layers=taps)
       if m.dtype not in ("float32", "bfloat16"):
         _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
       _check_taps(m.tap_layers, pcfg.n_layers, "the checkpoint's num_hidden_layers")
@@ -188,7 +187,7 @@ def _validate_decoding(config) -> None:
     )
 
 
-def _validate_draft(config, imported) -> None:
+def _validate_draft(config, imported, tok) -> None:
   """`imported`: the PolicyConfig of a `model.init_from` checkpoint (its heads and vocabulary are
   the draft's defaults), else None (config.model's, over the tokenizer's vocabulary)."""
   from specdraft.model import drafts
@@ -210,7 +209,7 @@ def _validate_draft(config, imported) -> None:
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
   nv = dr.get("vocab_size", 0)
-  V = imported.vocab_size if imported else tok_lib.make_tokenizer(config).vocab_size
+  V = imported.vocab_size if imported else tok.vocab_size
   if not isinstance(nv, int) or not 0 <= nv <= V:
     _fail(
       "draft.vocab_size",

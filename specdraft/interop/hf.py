@@ -177,6 +177,8 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
   stops = checkpoint_stop_ids(path)
   if stops:  # the first is EOS, the others stop generation too
     kw["eos_id"], kw["stop_ids"] = stops[0], tuple(stops[1:])
+  if "eos_id" in overrides and "stop_ids" not in overrides:  # another EOS (the tokenizer's):
+    kw["stop_ids"] = tuple(i for i in stops if i != overrides["eos_id"])  # the rest still stop
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
 

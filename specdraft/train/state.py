@@ -30,13 +30,11 @@ def policy_config(config, tok=None) -> pol.PolicyConfig:
     from specdraft.interop import hf
 
     taps = config.model.tap_layers
-    stops = tuple(i for i in hf.checkpoint_stop_ids(path) if i != tok.eos_id)
     return hf.read_config(
       path,
       tap_layers=tuple(taps) if taps is not None else None,
       dtype=config.model.dtype,
       eos_id=tok.eos_id,
-      stop_ids=stops,
     )
   cfg = pol.PolicyConfig.from_config(config.model, tok.vocab_size)
   return dataclasses.replace(cfg, eos_id=tok.eos_id)
