@@ -3,12 +3,15 @@
 import os
 import sys
 
-# The tests run tiny programs, so compiling dominates: LLVM's optimisation level 0 roughly halves
-# the suite's CPU time. (Numerics are compared with float32-safe tolerances, so another backend
-# optimisation level cannot change a verdict; subprocesses get the same flags, see test_resume.)
+# The tests run tiny programs, so compiling dominates (about 60% of the suite's CPU time): LLVM's
+# optimisation level 0 roughly halves it, and XLA's older elemental emitters instead of its
+# fusion emitters take a third off what is left (a single-device co-training fwd/bwd: 9.9 -> 6.7 s
+# to compile). Numerics are compared with float32-safe tolerances and bit-identity tests compare
+# two programs compiled alike, so neither changes a verdict; subprocesses inherit the flags.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "")
   + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  + " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -84,11 +84,11 @@ def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
   def loss(d, cfg, logits):
     return eagle3.ttt_loss(d, cfg, params["embed"], taps, logits, tokens, positions, seg, mask)
 
-  (got, gm), g_got = jax.value_and_grad(loss, has_aux=True)(dp, dcfg, policy_logits)
+  # jitted: op by op, the TTT loop's backward dispatches (and compiles) every small op
+  vg = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+  (got, gm), g_got = vg(dp, dcfg, policy_logits)
   # the oracle's "target vocabulary" is the draft's: its head [E, N] covers all of it
-  (want, wm), g_want = jax.value_and_grad(loss, has_aux=True)(
-    dp, oracle_cfg, policy_logits[..., ids]
-  )
+  (want, wm), g_want = vg(dp, oracle_cfg, policy_logits[..., ids])
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for k in range(dcfg.ttt_steps):
     np.testing.assert_allclose(gm[f"ttt_acc_{k}"], wm[f"ttt_acc_{k}"])
@@ -97,7 +97,7 @@ def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
     assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12), name
   # and it is not the full-vocabulary loss (the restriction matters)
   full_dp = dict(dp, head=params["embed"].T)
-  full = loss(full_dp, oracle_cfg, policy_logits)[0]
+  full = jax.jit(loss, static_argnums=1)(full_dp, oracle_cfg, policy_logits)[0]
   assert abs(float(full) - float(got)) > 1e-3
 
 

@@ -66,12 +66,12 @@ def _two_sft_steps(c, parallel):
   state = loop.init_state(cfg, tx, mesh, rules, 0)
   sh = loop.state_shardings(state)
   bsh = mesh_lib.batch_sharding(mesh, rules)
-  grad = jax.grad(lambda p, b: step_lib.sft_loss(p, cfg, b)[0])
-  f = jax.jit(
-    lambda s, b: (*step_lib.sft_step(s, b, cfg=cfg, tx=tx), grad(s["params"], b)),
-    in_shardings=(sh, bsh),
-    out_shardings=(sh, None, None),
-  )
+
+  def step_and_grads(s, b):  # sft_step's two halves, the forward/backward traced once
+    (_, metrics), grads = jax.value_and_grad(step_lib.sft_loss, has_aux=True)(s["params"], cfg, b)
+    return (*step_lib.apply_sft_gradients(s, grads, metrics, tx), grads)
+
+  f = jax.jit(step_and_grads, in_shardings=(sh, bsh), out_shardings=(sh, None, None))
   p0, b = jax.device_get(state["params"]), jax.device_put(_batch(1), bsh)
   out = [jax.device_get(f(state, b))]
   out.append(jax.device_get(f(out[0][0], b)))

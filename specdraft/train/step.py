@@ -97,8 +97,15 @@ def sft_step(
     attn_tile=attn_tile,
     remat=remat,
   )
+  return apply_sft_gradients(state, grads, metrics, tx)
+
+
+def apply_sft_gradients(state, grads, metrics, tx):
+  """The optimizer half of `sft_step`: one `tx` update from `grads` (the gradient of `sft_loss`),
+  the step counter advanced, the gradient norm added to `metrics` (see `apply_gradients`)."""
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
+  metrics = dict(metrics)
   metrics["grad_norm"] = optax.tree.norm(grads)
   return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
