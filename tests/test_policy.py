@@ -187,3 +187,28 @@ def test_prefill_of_a_long_prompt_has_no_prompt_squared_array():
   # negative control: feeding the prompt through the cached decoding step builds the mask
   dec = jax.jit(pol.decode, static_argnums=1).lower(params, cfg, cache, prompt).compile()
   assert largest_array(dec.as_text()) >= P * P
+
+
+def test_a_decoding_step_writes_only_its_new_cache_rows():
+  """The cache rides in the layer scan's carry and each layer scatters its T new rows into it:
+  a step's scratch memory is a fraction of the cache (a per-layer slice to attend over), not a
+  second copy of it as when every layer's cache was a scanned input and output. The rows written
+  are exactly lengths..lengths+T-1, also at a row whose last slot is the cache's last."""
+  cfg = pol.PolicyConfig(
+    vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=16
+  )
+  params = pol.init_params(cfg, 0)
+  C, T = 4096, 3
+  cache = pol.init_cache(cfg, 2, C)
+  step = jax.jit(lambda p, c, t: pol.decode(p, cfg, c, t)[2])
+  tokens = jnp.ones((2, T), jnp.int32)
+  mem = step.lower(params, cache, tokens).compile().memory_analysis()
+  assert mem.temp_size_in_bytes < 0.5 * (cache.k.nbytes + cache.v.nbytes), mem
+  lengths = jnp.array([5, C - T], jnp.int32)
+  new = step(params, cache._replace(lengths=lengths), tokens)
+  written = np.asarray(jnp.any(new.k != 0, axis=(3, 4)))  # [L, B, C]
+  for b, start in enumerate(np.asarray(lengths)):
+    want = np.zeros(C, bool)
+    want[start : start + T] = True
+    np.testing.assert_array_equal(written[:, b], np.broadcast_to(want, (cfg.n_layers, C)))
+  np.testing.assert_array_equal(np.asarray(new.lengths), np.asarray(lengths) + T)

@@ -275,22 +275,41 @@ def _prefill_layer(cfg: PolicyConfig, positions_BT, attend):
   return body
 
 
-def _cached_layer(cfg: PolicyConfig, positions_BT, cache, T: int):
-  """Scan body of one layer over T new tokens and its KV cache: xs = (layer params, positions,
-  segment ids, k, v); returns the layer's updated cache rows."""
-  _, _, lengths = cache
-  C = cache[0].shape[2]
+def _decode_stack(layers: Params, x_BTE, cfg: PolicyConfig, positions_BT, cache, tap_at):
+  """Decoding: T new tokens per row through every layer of `layers`, against the KV cache.
+
+  The whole cache [L, B, C, K, D] rides in the scan's carry: each layer writes only its T new
+  rows per row (a scatter XLA does in place) and reads its own [B, C, K, D] slice to attend.
+  Scanning the per-layer caches as inputs and outputs instead writes every cache entry of every
+  layer on every step (and copies the stack in and out), which at long capacity dominates a
+  decode step. New tokens attend to cache entries j <= lengths + i.
+  Returns (x, taps or None, (k, v))."""
+  k_all, v_all, lengths = cache
+  B, T = x_BTE.shape[:2]
+  C = k_all.shape[2]
   q_idx = lengths[:, None] + jnp.arange(T)[None, :]
   mask_BTC = jnp.arange(C)[None, None, :] <= q_idx[:, :, None]
+  rows = jnp.arange(B)[:, None]
+  cols = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T] cache slots of the new tokens
 
-  def body(x, xs):
-    lp, _, _, ck, cv = xs
+  def body(carry, xs):
+    x, k_all, v_all = carry
+    lp, layer = xs
     q, k, v = qkv(lp, x, positions_BT, cfg)
-    ck, cv = _write_rows(ck, k, lengths), _write_rows(cv, v, lengths)
-    o, _ = reference.masked_attention(q, ck, cv, mask_BTC)
-    return attn_out_and_mlp(lp, x, o, cfg), (ck, cv)
+    k_all = k_all.at[layer, rows, cols].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, cols].set(v.astype(v_all.dtype), mode="drop")
+    o, _ = reference.masked_attention(q, k_all[layer], v_all[layer], mask_BTC)
+    return (attn_out_and_mlp(lp, x, o, cfg), k_all, v_all), None
 
-  return body
+  n = jax.tree.leaves(layers)[0].shape[0]
+  x, taps, start = x_BTE, [], 0
+  for stop in sorted(set(t + 1 for t in tap_at) | {n}):  # one scan per run of untapped layers
+    xs = (slice_layers(layers, start, stop), jnp.arange(start, stop))
+    (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), xs)
+    if stop - 1 in tap_at:
+      taps.append(x)
+    start = stop
+  return x, (jnp.stack(taps) if taps else None), (k_all, v_all)
 
 
 def slice_layers(layers: Params, start: int, stop: int) -> Params:
@@ -332,12 +351,12 @@ def run_layers(
     raise ValueError(f"tap_at {tap_at} out of range for a stack of {n} layers")
   if segment_ids_BT is None:
     segment_ids_BT = jnp.ones(positions_BT.shape, jnp.int32)
+  if cache is not None and attend is None:
+    return _decode_stack(layers, x_BTE, cfg, positions_BT, cache, tap_at)
   if cache is None:
     body = _training_layer(cfg, positions_BT, attend or tiled_attention())
-  elif attend is not None:
-    body = _prefill_layer(cfg, positions_BT, attend)
   else:
-    body = _cached_layer(cfg, positions_BT, cache, x_BTE.shape[1])
+    body = _prefill_layer(cfg, positions_BT, attend)
   if remat:
     body = jax.checkpoint(body)
   x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
