@@ -9,7 +9,6 @@ B rows, C cache capacity (rows filled to 100), T new tokens per step (T > 1: an 
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -19,6 +18,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from specdraft.bench import provenance  # noqa: E402
 from specdraft.model import policy as pol  # noqa: E402
 
 POINTS = ((1, 256, 1), (1, 256, 6), (8, 256, 1), (8, 2048, 1))
@@ -52,10 +52,7 @@ def main():
     vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536
   )
   params = pol.init_params(cfg, 0)
-  commit = subprocess.run(
-    ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True
-  ).stdout.strip()
-  out = {"commit": commit}
+  out = {"commit": provenance.git_commit(ROOT)}
   out.update({f"B{b}_C{c}_T{t}": step_seconds(cfg, params, b, c, t) for b, c, t in POINTS})
   print(json.dumps(out))
 

@@ -275,41 +275,28 @@ def _prefill_layer(cfg: PolicyConfig, positions_BT, attend):
   return body
 
 
-def _decode_stack(layers: Params, x_BTE, cfg: PolicyConfig, positions_BT, cache, tap_at):
-  """Decoding: T new tokens per row through every layer of `layers`, against the KV cache.
-
-  The whole cache [L, B, C, K, D] rides in the scan's carry: each layer writes only its T new
-  rows per row (a scatter XLA does in place) and reads its own [B, C, K, D] slice to attend.
-  Scanning the per-layer caches as inputs and outputs instead writes every cache entry of every
-  layer on every step (and copies the stack in and out), which at long capacity dominates a
-  decode step. New tokens attend to cache entries j <= lengths + i.
-  Returns (x, taps or None, (k, v))."""
-  k_all, v_all, lengths = cache
-  B, T = x_BTE.shape[:2]
-  C = k_all.shape[2]
-  q_idx = lengths[:, None] + jnp.arange(T)[None, :]
+def _cached_layer(cfg: PolicyConfig, positions_BT, cache, T: int):
+  """Scan body of one layer over T new tokens and the whole KV cache: carry = (x, k, v) with the
+  cache's [L, B, C, K, D] arrays, xs = (layer params, layer index). Each layer scatters only its T
+  new rows per row into the carried cache (in place) and reads its own [B, C, K, D] slice to
+  attend; scanning per-layer caches as inputs and outputs would instead write every entry of
+  every layer on every step, which at long capacity dominates a decode step."""
+  _, _, lengths = cache
+  B, C = lengths.shape[0], cache[0].shape[2]
+  q_idx = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T] cache slots of the new tokens
   mask_BTC = jnp.arange(C)[None, None, :] <= q_idx[:, :, None]
   rows = jnp.arange(B)[:, None]
-  cols = lengths[:, None] + jnp.arange(T)[None, :]  # [B, T] cache slots of the new tokens
 
   def body(carry, xs):
     x, k_all, v_all = carry
     lp, layer = xs
     q, k, v = qkv(lp, x, positions_BT, cfg)
-    k_all = k_all.at[layer, rows, cols].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, rows, cols].set(v.astype(v_all.dtype), mode="drop")
+    k_all = k_all.at[layer, rows, q_idx].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, rows, q_idx].set(v.astype(v_all.dtype), mode="drop")
     o, _ = reference.masked_attention(q, k_all[layer], v_all[layer], mask_BTC)
     return (attn_out_and_mlp(lp, x, o, cfg), k_all, v_all), None
 
-  n = jax.tree.leaves(layers)[0].shape[0]
-  x, taps, start = x_BTE, [], 0
-  for stop in sorted(set(t + 1 for t in tap_at) | {n}):  # one scan per run of untapped layers
-    xs = (slice_layers(layers, start, stop), jnp.arange(start, stop))
-    (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), xs)
-    if stop - 1 in tap_at:
-      taps.append(x)
-    start = stop
-  return x, (jnp.stack(taps) if taps else None), (k_all, v_all)
+  return body
 
 
 def slice_layers(layers: Params, start: int, stop: int) -> Params:
@@ -351,30 +338,39 @@ def run_layers(
     raise ValueError(f"tap_at {tap_at} out of range for a stack of {n} layers")
   if segment_ids_BT is None:
     segment_ids_BT = jnp.ones(positions_BT.shape, jnp.int32)
-  if cache is not None and attend is None:
-    return _decode_stack(layers, x_BTE, cfg, positions_BT, cache, tap_at)
-  if cache is None:
+  decode = cache is not None and attend is None
+  if decode:
+    body = _cached_layer(cfg, positions_BT, cache, x_BTE.shape[1])
+  elif cache is None:
     body = _training_layer(cfg, positions_BT, attend or tiled_attention())
   else:
     body = _prefill_layer(cfg, positions_BT, attend)
   if remat:
     body = jax.checkpoint(body)
+  carry = (x_BTE, cache[0], cache[1]) if decode else x_BTE
   x, taps, new_k, new_v, start = x_BTE, [], [], [], 0
   for stop in sorted(set(t + 1 for t in tap_at) | {n}):  # one scan per run of untapped layers
     seg_layers = slice_layers(layers, start, stop)
-    per_layer = lambda a: jnp.broadcast_to(a, (stop - start,) + a.shape)
-    xs = (seg_layers, per_layer(positions_BT), per_layer(segment_ids_BT))
-    if cache is not None:
-      xs += (cache[0][start:stop], cache[1][start:stop])
-    x, kv = jax.lax.scan(body, x, xs)
-    if cache is not None:
+    if decode:
+      xs = (seg_layers, jnp.arange(start, stop))
+    else:
+      per_layer = lambda a: jnp.broadcast_to(a, (stop - start,) + a.shape)
+      xs = (seg_layers, per_layer(positions_BT), per_layer(segment_ids_BT))
+      if cache is not None:
+        xs += (cache[0][start:stop], cache[1][start:stop])
+    carry, kv = jax.lax.scan(body, carry, xs)
+    x = carry[0] if decode else carry
+    if kv is not None:  # prefill: the layers' cache slices
       new_k.append(kv[0])
       new_v.append(kv[1])
     if stop - 1 in tap_at:
       taps.append(x)
     start = stop
   taps_out = jnp.stack(taps) if taps else None
-  kv_out = None if cache is None else (jnp.concatenate(new_k), jnp.concatenate(new_v))
+  if decode:
+    kv_out = carry[1:]
+  else:
+    kv_out = None if cache is None else (jnp.concatenate(new_k), jnp.concatenate(new_v))
   return x, taps_out, kv_out
 
 
