@@ -127,6 +127,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       pretrain_steps=300,
       batch_size=32,
       rollout_temperature=1.0,
+      # or temperatures cycled over the distillation steps, e.g. (0.0, 1.0): greedy and sampled
+      # generations on alternate steps (empty: rollout_temperature every step)
+      rollout_temperatures=(),
       lr=3e-3,
       warmup_steps=20,
       weight_decay=0.0,

@@ -40,14 +40,19 @@ def get_config(arg: str | None = None):
   c.sft.steps = c.rl.steps = 0
   c.decode.max_new_tokens, c.decode.num_draft = 32, 5
   d = c.draft
-  d.kind, d.ttt_steps, d.vocab_size = "eagle3", 3, 2048
-  # A distillation step (32 prompts rolled out for 32 tokens at T = 1 by the 30-layer policy,
-  # then one draft update on them) took about 30 s on 2 cores with nothing else running (steps
-  # 15-20 of a run of this config that was stopped at step 20), so 50 steps are about 25 minutes,
-  # plus about 15 for conversion, the draft's vocabulary, the checks and the timed points.
-  d.pretrain_steps = arg.steps or 50
+  # TTT steps = G: every proposal position of a round is trained (with 3 TTT steps and G = 5
+  # the 4th and 5th proposals were never accepted in a run of this config at b06fb7c)
+  d.kind, d.ttt_steps, d.vocab_size = "eagle3", c.decode.num_draft, 2048
+  # A distillation step (32 prompts rolled out for 32 tokens by the 30-layer policy, then one
+  # draft update on them) took about 10 s on 2 cores with nothing else running (b06fb7c: 4 s
+  # the rollout, 4 s the update), so 120 steps are about 20 minutes, plus about 6 for
+  # conversion, the draft's vocabulary, the checks and the timed points.
+  d.pretrain_steps = arg.steps or 120
   d.batch_size, d.lr, d.warmup_steps, d.log_every = 32, 3e-3, 5, 5
-  d.rollout_temperature = 1.0
+  # Greedy and sampled generations on alternate steps: the report times SD at T = 0 and T = 1,
+  # and a draft distilled on T = 1 samples alone saw none of the greedy continuations (tau 1.31
+  # at T = 0 after 50 steps at b06fb7c; 2.01 after 30 greedy-only steps)
+  d.rollout_temperatures = (0.0, 1.0)
   # the run's own report is off: the points of real.report are timed after it
   c.eval.num_examples, c.eval.batch_size, c.eval.every = 8, 1, 1000
   c.eval.sd_temperature, c.eval.report_repeats = 0.0, 0

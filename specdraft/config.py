@@ -168,6 +168,16 @@ def _validate_decoding(config) -> None:
   ):
     if value < 0:
       _fail(field, value, "must be >= 0 (0 = greedy)")
+  temps = config.draft.get("rollout_temperatures", ()) or ()
+  if not isinstance(temps, (tuple, list)) or any(
+    isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in temps
+  ):
+    _fail(
+      "draft.rollout_temperatures",
+      temps,
+      "must be a tuple of temperatures >= 0 cycled over the draft's distillation steps "
+      "(empty: draft.rollout_temperature every step)",
+    )
   repeats = config.eval.get("report_repeats", 3)
   if not isinstance(repeats, int) or repeats < 0:
     _fail("eval.report_repeats", repeats, "must be an integer >= 0 (0 = no SD-vs-AR report)")

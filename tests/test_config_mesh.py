@@ -41,6 +41,7 @@ def test_parse_arg():
     ("rl.temperature", -1.0, r"rl.temperature=-1.0 is invalid"),
     ("rl.top_p", 0.0, r"rl.top_p=0.0 is invalid: must be in \(0, 1\]"),
     ("rl.top_k", -2, r"rl.top_k=-2 is invalid"),
+    ("draft.rollout_temperatures", (0.0, -1.0), r"draft.rollout_temperatures=.* cycled"),
     ("rl.warmup_steps", -1, r"rl.warmup_steps=-1 is invalid"),
     ("data.batch_size", 6, r"data.batch_size=6 .*data\*fsdp=8"),
     ("parallel.mesh.data", 4, "mesh size 4 .* cover 8 devices"),

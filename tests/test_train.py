@@ -260,3 +260,30 @@ def test_corrupt_latest_checkpoint_falls_back(smoke_config, tmp_path, capsys):
   assert "checkpoint at step 12" in out and "falling back" in out
   assert "Resumed sft from step 6" in out
   assert [r["step"] for r in _read(os.path.join(wd, "sft_metrics.jsonl"))] == [4, 8, 12]
+
+
+@pytest.mark.slow  # two draft-iteration compiles and a resume, ~15 s
+def test_draft_rollout_temperatures_cycle_over_steps_from_the_step_count(
+  smoke_config, tmp_path, monkeypatch
+):
+  from specdraft.train import draft as draft_lib
+  from specdraft.train import phases
+
+  c = smoke_config
+  c.draft.pretrain_steps, c.draft.rollout_temperatures = 3, (0.0, 1.0)
+  c.checkpoint.every = 2
+  used, original = [], draft_lib.draft_iteration
+
+  def recording(*args, temperature, **kw):  # one entry per executed step
+    jax.debug.callback(lambda: used.append(temperature))
+    return original(*args, temperature=temperature, **kw)
+
+  monkeypatch.setattr(draft_lib, "draft_iteration", recording)
+  ctx = loop.Context(c, str(tmp_path / "run"))
+  params = pol.init_params(ctx.pcfg, 0)
+  phases.draft_phase(ctx, params, stop_after=2)
+  jax.effects_barrier()
+  assert used == [0.0, 1.0]
+  _, finished = phases.draft_phase(ctx, params)  # resumes at step 2: temperature 0 again
+  jax.effects_barrier()
+  assert finished and used == [0.0, 1.0, 0.0]

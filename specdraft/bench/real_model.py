@@ -23,7 +23,7 @@ from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
 from specdraft.interop import ggml
 from specdraft.tasks import loader
-from specdraft.train import loop
+from specdraft.train import loop, phases
 
 
 def parity(ctx, params, gguf_path: str, n: int, max_new_tokens: int) -> dict:
@@ -72,7 +72,7 @@ def parity(ctx, params, gguf_path: str, n: int, max_new_tokens: int) -> dict:
 
 def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
   """The draft's reduced vocabulary from the policy's own generations: `real.vocab_prompts`
-  training prompts rolled out at the draft's rollout temperature, the `draft.vocab_size` most
+  training prompts rolled out at the draft's rollout temperatures (cycled over batches of 32), the `draft.vocab_size` most
   frequent generated ids (EOS always in), written once to <run dir>/draft_vocab.json."""
   import json
 
@@ -90,14 +90,15 @@ def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
   params = jax.device_put(hf.load_params(hf_dir, ctx.pcfg))
   n, B, rows = int(config.real.vocab_prompts), 32, []
   key = jax.random.key(config.seed + 7)
-  for start in range(0, n, B):
+  temps = phases.rollout_temperatures(config.draft)
+  for i, start in enumerate(range(0, n, B)):
     exs = [loader.to_example(ctx.train_src[i]) for i in range(start, min(start + B, n))]
     prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
     key, sub = jax.random.split(key)
     gen = autoregressive.generate(
       params, ctx.pcfg, prompts, lengths, sub,
       max_new_tokens=config.decode.max_new_tokens,
-      temperature=float(config.draft.rollout_temperature),
+      temperature=temps[i % len(temps)],
     )  # fmt: skip
     toks, lens = np.asarray(gen.tokens), np.asarray(gen.lengths)
     rows += [t[:m].tolist() for t, m in zip(toks, lens)]

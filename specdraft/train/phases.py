@@ -363,6 +363,14 @@ def init_draft(ctx: Context, params):
   return jax.jit(lambda p: drafts.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg))(params)
 
 
+def rollout_temperatures(dc) -> tuple[float, ...]:
+  """The distillation rollouts' temperatures, cycled over the draft phase's steps:
+  `draft.rollout_temperatures` when set (e.g. (0.0, 1.0): greedy and sampled generations on
+  alternate steps, for a draft that serves both), else `draft.rollout_temperature` every step."""
+  temps = tuple(float(t) for t in dc.get("rollout_temperatures", ()) or ())
+  return temps or (float(dc.rollout_temperature),)
+
+
 def draft_phase(ctx: Context, params, stop_after: int | None = None):
   """Distils the draft from the fixed SFT policy; returns (draft params, finished)."""
   c, dc = ctx.config, ctx.config.draft
@@ -378,28 +386,37 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
     },
     out_shardings=replicated,
   )(dparams)
-  step_fn = jax.jit(
-    functools.partial(
-      draft_lib.draft_iteration,
-      pcfg=ctx.pcfg,
-      dcfg=ctx.dcfg,
-      tx=tx,
-      max_new_tokens=c.decode.max_new_tokens,
-      temperature=dc.rollout_temperature,
-      mesh=ctx.mesh,
-      pipeline=ctx.pipeline,
-      **ctx.compute,
-    ),
-    out_shardings=(replicated, None),
-    donate_argnums=0,
-  )
+  temps = rollout_temperatures(dc)
+  step_fns = {
+    t: jax.jit(
+      functools.partial(
+        draft_lib.draft_iteration,
+        pcfg=ctx.pcfg,
+        dcfg=ctx.dcfg,
+        tx=tx,
+        max_new_tokens=c.decode.max_new_tokens,
+        temperature=t,
+        mesh=ctx.mesh,
+        pipeline=ctx.pipeline,
+        **ctx.compute,
+      ),
+      out_shardings=(replicated, None),
+      donate_argnums=0,
+    )
+    for t in sorted(set(temps))
+  }
   data = ctx.prompt_stream(dc.batch_size, seed_offset=1)
+
+  def step(state, pb):  # step i's rollouts at temps[i % len(temps)] (the step count is state)
+    t = temps[int(state["step"]) % len(temps)] if len(temps) > 1 else temps[0]
+    return step_fns[t](state, params, *ctx.place_prompts(data, pb))
+
   phase = Phase(
     name="draft",
     label="draft",
     steps=dc.pretrain_steps,
     data=data,
-    step=lambda state, pb: step_fn(state, params, *ctx.place_prompts(data, pb)),
+    step=step,
     log_every=dc.log_every,
     metrics_log="draft_metrics.jsonl",
     postfix={"loss": "draft_loss", "acc0": "ttt_acc_0"},
