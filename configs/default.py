@@ -146,8 +146,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # DFlash / DSpark (model/dflash.py): draft layers, block size W (dflash proposes W - 1
       # tokens a round, dspark W; 0: the block that proposes decode.num_draft), loss decay
       # exp(-k / gamma) over the proposals, DSpark's Markov head rank (0: no Markov head, the
-      # ablation) and its L1 term's weight.
-      block=dict(n_layers=1, block_size=0, gamma=4.0, markov_rank=16, l1_weight=0.0),
+      # ablation) and its L1 term's weight. The block's MASK entries embed as a learned vector
+      # (mask_token_id = -1) or as the policy's (frozen) embedding row of mask_token_id, and
+      # qk_norm adds an RMSNorm over each q and k head (context keys too), as the public DFlash
+      # checkpoints (Qwen3 layers) have: both are needed to export a DFlash checkpoint.
+      block=dict(
+        n_layers=1,
+        block_size=0,
+        gamma=4.0,
+        markov_rank=16,
+        l1_weight=0.0,
+        mask_token_id=-1,
+        qk_norm=False,
+      ),
     )
   )  # the draft's branch attention follows the layout: the ring over parallel.mesh.cp
 
@@ -189,6 +200,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0, report_repeats=3)
   )  # report_repeats: timed repeats of the final SD-vs-AR report (0: no report)
   c.checkpoint = ml_collections.ConfigDict(dict(every=400, keep=2))
+  # At the end of a run, write the policy as a Hugging Face checkpoint (with the run's tokenizer
+  # files) and the draft in its serving format (EAGLE-3 or DFlash) under export.dir/{policy,draft}
+  # ("" = no export; a relative path is under the workdir). A finished run given export.dir and
+  # run again only exports (every phase resumes as complete).
+  c.export = ml_collections.ConfigDict(dict(dir="", dtype="float32"))
   # Training steps (train/sequence.py): attention tiles (query rows and keys per tile), the
   # sequence chunk in which logits are formed (0 = the whole row at once), and per-layer
   # rematerialisation of the policy in the backward pass (saves only each layer's input).

@@ -62,6 +62,7 @@ def validate(config, *, num_devices: int | None = None) -> None:
   _validate_draft(config, pcfg, tok)
   _validate_rl(config)
   _validate_compute(config)
+  _validate_export(config, pcfg)
   _validate_layout(config, num_devices, pcfg)
 
 
@@ -207,8 +208,9 @@ def _validate_draft(config, imported, tok) -> None:
   kind = dr.get("kind", "eagle3")
   if kind not in drafts.KINDS:
     _fail("draft.kind", kind, f"expected one of {drafts.KINDS}")
+  V = imported.vocab_size if imported else tok.vocab_size
   if kind != "eagle3":
-    _validate_block_draft(config)
+    _validate_block_draft(config, V)
   if dr.ttt_steps < 1:
     _fail("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
   if not 0 < dr.ttt_decay <= 1:
@@ -219,7 +221,6 @@ def _validate_draft(config, imported, tok) -> None:
   if dr.pretrain_steps < 0:
     _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
   nv = dr.get("vocab_size", 0)
-  V = imported.vocab_size if imported else tok.vocab_size
   if not isinstance(nv, int) or not 0 <= nv <= V:
     _fail(
       "draft.vocab_size",
@@ -243,8 +244,16 @@ def _validate_draft(config, imported, tok) -> None:
     )
 
 
-def _validate_block_draft(config) -> None:
+def _validate_block_draft(config, vocab_size: int) -> None:
   bl = config.draft.block
+  mask_id = bl.get("mask_token_id", -1)
+  if not isinstance(mask_id, int) or not -1 <= mask_id < vocab_size:
+    _fail(
+      "draft.block.mask_token_id",
+      mask_id,
+      f"must be -1 (a learned mask embedding) or a token id in [0, {vocab_size}) whose policy "
+      "embedding row is the block's MASK input",
+    )
   if bl.n_layers < 1:
     _fail("draft.block.n_layers", bl.n_layers, "must be >= 1")
   least = 2 if config.draft.kind == "dflash" else 1  # dflash's slot 0 is the anchor, no proposal
@@ -299,6 +308,34 @@ def _validate_rl(config) -> None:
     _fail("rollout.draft", config.rollout.draft, f"expected one of {ROLLOUT_DRAFTS}")
   if config.rollout.draft != "none" and config.draft.pretrain_steps == 0 and rl.steps > 0:
     print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
+
+
+def _validate_export(config, pcfg) -> None:
+  ex = config.get("export", None)
+  if ex is None or not ex.get("dir", ""):
+    return
+  from specdraft.interop import export
+  from specdraft.model import policy as pol
+
+  if not isinstance(ex.dir, str):
+    _fail("export.dir", ex.dir, "expected a directory path (a string; '' for no export)")
+  if ex.get("dtype", "float32") not in export.DTYPES:
+    _fail("export.dtype", ex.dtype, f"expected one of {export.DTYPES}")
+  m = config.model
+  if pcfg is not None:
+    n_taps = len(pcfg.taps)
+  elif m.tap_layers is not None:
+    n_taps = len(m.tap_layers)
+  else:
+    n_taps = len(pol.default_tap_layers(m.n_layers))
+  dr = config.draft
+  bl = dr.get("block", {})
+  problem = export.export_problem(
+    dr.get("kind", "eagle3"), n_taps, bl.get("mask_token_id", -1), bl.get("qk_norm", False)
+  )
+  if problem is not None:
+    field, value, why = problem
+    _fail(field, value, f"export.dir={ex.dir!r} asks for a serving checkpoint, but {why}")
 
 
 def _validate_compute(config) -> None:

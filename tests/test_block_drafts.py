@@ -49,14 +49,22 @@ def _batch(B=4, S=24, V=99, seed=0):
 
 
 def _setup(kind, block_size=4, n_layers=2):
+  """DFlash with the options of the public DFlash checkpoints (MASK = the policy's embedding row
+  of a token id, q/k norms with non-trivial weights); DSpark with a learned MASK vector."""
   c = default_config.get_config("smoke")
   c.model.n_kv_heads = 2
   c.draft.kind = kind
   c.draft.block.update(block_size=block_size, n_layers=n_layers, markov_rank=8, l1_weight=0.5)
+  if kind == "dflash":
+    c.draft.block.update(mask_token_id=4, qk_norm=True)
   pcfg = pol.PolicyConfig.from_config(c.model, 99)
   dcfg = drafts.draft_config(c.draft, pcfg)
   params = pol.init_params(pcfg, 0)
   dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  if dcfg.qk_norm:
+    for i, name in enumerate(("q_norm", "k_norm")):
+      w = dparams["layers"][name]
+      dparams["layers"][name] = w + 0.3 * jax.random.normal(jax.random.key(7 + i), w.shape)
   if kind == "dspark":  # a live Markov head (it starts at zero)
     dparams["markov_out"] = 0.3 * jax.random.normal(jax.random.key(5), dparams["markov_out"].shape)
   return c, pcfg, dcfg, {"policy": params, "draft": dparams}
@@ -223,6 +231,12 @@ def test_config_errors_name_the_field():
   c.decode.num_draft = 4  # dflash proposes block_size - 1 = 3
   with pytest.raises(ValueError, match=r"decode\.num_draft=4.*<= 3"):
     config_lib.validate(c)
+  c.decode.num_draft = 3
+  c.draft.block.mask_token_id = 99  # the smoke policy's vocabulary is the char tokenizer's
+  with pytest.raises(ValueError, match=r"draft\.block\.mask_token_id=99.*\[0, \d+\)"):
+    config_lib.validate(c)
+  c.draft.block.mask_token_id = -1
+  c.decode.num_draft = 4
   c.draft.kind = "dspark"  # dspark proposes block_size = 4
   config_lib.validate(c)
   # the benchmarks that build EAGLE-3 drafts directly refuse another kind instead of ignoring it

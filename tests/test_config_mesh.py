@@ -117,3 +117,31 @@ def test_param_shardings_follow_rules():
     mesh_lib.tree_shardings(
       pol.param_logical_axes(abstract), abstract, [tuple(r) for r in c.parallel.rules], mesh
     )
+
+
+def test_export_settings_the_formats_cannot_hold_are_refused_before_any_work():
+  """export.dir asks for serving checkpoints: a draft the format cannot express is named."""
+  c = default_config.get_config("size=tiny,layout=dp8")  # 4 layers: 2 default taps
+  c.export.dir = "export"
+  with pytest.raises(ValueError, match=r"model.tap_layers=2 .*exactly 3 tapped layers"):
+    config_lib.validate(c)
+  c.model.tap_layers = (0, 1, 2)
+  config_lib.validate(c)
+  c.export.dtype = "float16"
+  with pytest.raises(ValueError, match=r"export.dtype='float16'.*'bfloat16'"):
+    config_lib.validate(c)
+  c.export.dtype = "bfloat16"
+  c.draft.kind, c.decode.num_draft = "dspark", 3
+  with pytest.raises(ValueError, match=r"draft.kind='dspark'.*Markov head"):
+    config_lib.validate(c)
+  c.draft.kind = "dflash"
+  with pytest.raises(ValueError, match=r"draft.block.mask_token_id=-1"):
+    config_lib.validate(c)
+  c.draft.block.mask_token_id = 3
+  with pytest.raises(ValueError, match=r"draft.block.qk_norm=False"):
+    config_lib.validate(c)
+  c.draft.block.qk_norm = True
+  config_lib.validate(c)
+  c.export.dir = ""  # no export: nothing is asked of the draft
+  c.draft.kind = "dspark"
+  config_lib.validate(c)

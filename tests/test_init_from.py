@@ -242,6 +242,8 @@ def test_cotraining_starts_from_the_imported_policy(tmp_path, chatml):
       "rl.steps": 2,
       "rl.eval_every": 2,
       "eval.report_repeats": 0,
+      "model.tap_layers": (0, 1, 2),  # an EAGLE-3 checkpoint fuses 3 taps
+      "export.dir": "export",  # the trained policy and draft written out for serving
     },
   )
   config_lib.validate(c)
@@ -273,6 +275,35 @@ def test_cotraining_starts_from_the_imported_policy(tmp_path, chatml):
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows] == [1, 2]
   assert all(np.isfinite(r["draft_loss"]) and np.isfinite(r["rl_loss"]) for r in rows), rows
+  # The export: the policy written out is the run's final checkpoint, exactly; `transformers`
+  # loads it with the copied tokenizer files, which encode as the checkpoint's own tokenizer.
+  import orbax.checkpoint as ocp
+
+  out = os.path.join(wd, "export")
+  ck = os.path.join(wd, "checkpoints", "rl")
+  last = max(int(d) for d in os.listdir(ck) if d.isdigit())
+  assert last == 2
+  saved = ocp.StandardCheckpointer().restore(os.path.join(ck, str(last), "state"))
+  _, back = hf.load_policy(os.path.join(out, "policy"))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(saved["params"]["policy"]), back)
+  trained = dict(model.named_parameters())["model.layers.0.mlp.up_proj.weight"].detach().numpy()
+  assert not np.array_equal(back["layers"]["w_up"][0], trained.T)  # trained, not the import
+  exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "policy"))
+  assert exported.config.num_hidden_layers == 4
+  tok_out = transformers.AutoTokenizer.from_pretrained(os.path.join(out, "policy"))
+  prompt = [{"role": "user", "content": "12+7="}]
+  assert _ids(tok_out.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)) == (
+    _ids(ref.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+  )
+  from safetensors import safe_open
+
+  with safe_open(os.path.join(out, "draft", "model.safetensors"), framework="np") as f:
+    assert set(f.keys()) == set(hf.EAGLE3_TENSORS)
+    assert f.get_tensor("lm_head.weight").shape[0] == 64 and f.get_tensor("t2d").sum() == 64
+    fc = np.asarray(jax.device_get(saved["params"]["draft"]["fc"]))
+    np.testing.assert_array_equal(f.get_tensor("fc.weight"), fc.T)  # the final draft
+  with open(os.path.join(out, "draft", "config.json")) as f:
+    assert json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
 
 
 def test_a_draft_vocabulary_file_is_checked_and_used(tmp_path):

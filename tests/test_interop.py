@@ -361,3 +361,177 @@ def test_eagle3_export_refuses_a_draft_without_three_taps(tmp_path):
   assert dcfg.n_taps != 3
   with pytest.raises(ValueError, match="exactly 3 tapped layers"):
     hf.save_eagle3(str(tmp_path), dcfg, eagle3.init_params(dcfg, 0), pcfg)
+
+
+class _TorchDFlash(torch.nn.Module):
+  """An independent torch implementation of the public DFlash draft definition, written for this
+  test from that definition (not from specdraft): context = hidden_norm(fc(taps)); the block
+  [x_anchor, MASK x (W - 1)] is embedded with the target's embedding; in each Qwen3 layer the
+  queries read input_layernorm(block), keys and values [context; input_layernorm(block)] through
+  the same projections, q_norm / k_norm per head, rotate-half RoPE (context at its positions,
+  the block at anchor + k), no mask; residual, MLP; logits = target head(norm(h))."""
+
+  def __init__(self, path, embed, head_EV):
+    super().__init__()
+    from safetensors.torch import load_file
+
+    self.w = load_file(os.path.join(path, "model.safetensors"))
+    self.c = json.loads(open(os.path.join(path, "config.json")).read())
+    self.embed = torch.tensor(np.asarray(embed))
+    self.head = torch.tensor(np.asarray(head_EV))
+
+  def norm(self, x, w):
+    var = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(var + self.c["rms_norm_eps"]))
+
+  def rope(self, t, pos):  # t [B, heads, T, D]
+    D = t.shape[-1]
+    inv = 1.0 / (self.c["rope_theta"] ** (torch.arange(0, D, 2).float() / D))
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    rot = torch.cat([-t[..., D // 2 :], t[..., : D // 2]], -1)
+    return t * cos + rot * sin
+
+  def forward(self, taps, tokens, anchor):  # taps [B, T, N*E], tokens [B, T]: one anchor
+    w, c = self.w, self.c
+    H, K, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    W, mask_id = c["block_size"], c["dflash_config"]["mask_token_id"]
+    B = tokens.shape[0]
+    ctx = self.norm(taps[:, :anchor] @ w["fc.weight"].T, w["hidden_norm.weight"])
+    block = torch.full((B, W), mask_id, dtype=torch.long)
+    block[:, 0] = tokens[:, anchor]
+    x = self.embed[block]
+    pos = torch.arange(anchor + W)
+    for i in range(c["num_hidden_layers"]):
+      p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+      h = self.norm(x, w[p + "input_layernorm.weight"])
+      kv_in = torch.cat([ctx, h], 1)
+      q = (h @ w[a + "q_proj.weight"].T).view(B, W, H, D)
+      k = (kv_in @ w[a + "k_proj.weight"].T).view(B, anchor + W, K, D)
+      v = (kv_in @ w[a + "v_proj.weight"].T).view(B, anchor + W, K, D).transpose(1, 2)
+      q = self.rope(self.norm(q, w[a + "q_norm.weight"]).transpose(1, 2), pos[anchor:])
+      k = self.rope(self.norm(k, w[a + "k_norm.weight"]).transpose(1, 2), pos)
+      k, v = k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1)
+      o = ((q @ k.transpose(-1, -2)) / D**0.5).softmax(-1) @ v
+      x = x + o.transpose(1, 2).reshape(B, W, H * D) @ w[a + "o_proj.weight"].T
+      z = self.norm(x, w[p + "post_attention_layernorm.weight"])
+      g = torch.nn.functional.silu(z @ w[p + "mlp.gate_proj.weight"].T)
+      x = x + (g * (z @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return self.norm(x, w["norm.weight"]) @ self.head
+
+
+def _dflash_draft(n_layers=2, **kw):
+  from specdraft.model import dflash
+
+  pcfg = pol.PolicyConfig(
+    vocab_size=V, d_model=64, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
+    tap_layers=(6, 1, 3), tie_embeddings=False,
+  )  # fmt: skip
+  fields = dict(
+    kind="dflash", d_model=64, vocab_size=V, n_taps=3, n_layers=n_layers, n_heads=4,
+    n_kv_heads=2, head_dim=16, d_ff=80, block_size=4, mask_token_id=5, qk_norm=True,
+    rope_theta=700.0, norm_eps=1e-5, init_std=0.1,
+  )  # fmt: skip
+  dcfg = dflash.BlockDraftConfig(**(fields | kw))
+  params = pol.init_params(pcfg, 0)
+  dp = dflash.init_params(dcfg, 1, params, pcfg)
+  rng = np.random.default_rng(0)  # norms away from 1, so a mix-up of norms cannot pass
+  for k in ("ctx_norm", "final_norm"):
+    dp[k] = dp[k] + 0.3 * rng.normal(size=dp[k].shape)
+  for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+    if k in dp["layers"]:
+      dp["layers"][k] = dp["layers"][k] + 0.3 * rng.normal(size=dp["layers"][k].shape)
+  return pcfg, dcfg, params, dp
+
+
+def test_exported_dflash_draft_matches_the_public_definition(tmp_path):
+  """Every key, shape and dtype against the DFlash table; config fields (read back by
+  `transformers`' AutoConfig); and the exported checkpoint run through an independent torch
+  implementation gives the draft's block logits at every anchor (<= 1e-4)."""
+  from safetensors import safe_open
+
+  from specdraft.model import dflash
+
+  pcfg, dcfg, params, dp = _dflash_draft()
+  hf.save_dflash(str(tmp_path), dcfg, dp, pcfg)
+  E, H, K, D, F, N, L = 64, 4, 2, 16, 80, 3, 2
+  sizes = {"E": E, "N*E": N * E, "H*D": H * D, "K*D": K * D, "D": D, "F": F}
+  table = hf.dflash_tensors(L)
+  assert len(table) == 3 + 11 * L and "layers.1.self_attn.k_norm.weight" in table
+  with safe_open(str(tmp_path / "model.safetensors"), framework="np") as f:
+    assert set(f.keys()) == set(table)
+    for key, dims in table.items():
+      t = f.get_tensor(key)
+      assert t.shape == tuple(sizes[x] for x in dims), key
+      assert t.dtype == np.float32, key
+  c = json.loads((tmp_path / "config.json").read_text())
+  assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+  assert (c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]) == (L, E, F)
+  assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (H, K, D)
+  assert (c["block_size"], c["num_target_layers"], c["vocab_size"]) == (4, 8, V)
+  assert c["dflash_config"] == {"mask_token_id": 5, "target_layer_ids": [1, 3, 6]}
+  assert c["layer_types"] == ["full_attention"] * L and c["rope_theta"] == 700.0
+  tc = transformers.AutoConfig.from_pretrained(str(tmp_path))
+  assert type(tc).__name__ == "Qwen3Config" and tc.block_size == 4
+  assert tc.dflash_config["target_layer_ids"] == [1, 3, 6] and tc.num_hidden_layers == L
+
+  B, T = 2, 9
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, V, (B, T))
+  taps = rng.normal(size=(N, B, T, E)).astype(np.float32)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  seg = jnp.ones((B, T), jnp.int32)
+  h = dflash.block_hidden(
+    dp, dcfg, params["embed"], jnp.asarray(taps), jnp.asarray(tokens, jnp.int32), pos,
+    attend=dflash.attend_dense(seg),
+  )  # fmt: skip
+  ours = np.asarray(dflash.slot_logits(dp, dcfg, params["head"], h))  # [B, T, W, V]
+  ref = _TorchDFlash(str(tmp_path), params["embed"], params["head"])
+  flat = torch.tensor(np.moveaxis(taps, 0, 2).reshape(B, T, N * E))
+  with torch.no_grad():
+    for anchor in range(T):  # anchor 0: a block with no context before it
+      want = ref(flat, torch.tensor(tokens), anchor).numpy()
+      np.testing.assert_allclose(ours[:, anchor], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+  "change, field",
+  [
+    (dict(kind="dspark"), r"draft\.kind='dspark'"),
+    (dict(mask_token_id=-1), r"draft\.block\.mask_token_id=-1"),
+    (dict(qk_norm=False), r"draft\.block\.qk_norm=False"),
+  ],
+)
+def test_dflash_export_refuses_what_the_format_cannot_hold(tmp_path, change, field):
+  pcfg, dcfg, params, dp = _dflash_draft(n_layers=1, **change)
+  with pytest.raises(ValueError, match=field):
+    hf.save_dflash(str(tmp_path), dcfg, dp, pcfg)
+  assert not os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_export_run_writes_the_policy_its_tokenizer_and_a_dflash_draft(tmp_path):
+  """`export.export_run` (what export.dir runs at the end of a run): the policy read back equals
+  the trained one at the export dtype, the tokenizer file travels with it, the draft is DFlash."""
+  from safetensors import safe_open
+
+  from specdraft.interop import export
+
+  pcfg, dcfg, params, dp = _dflash_draft(n_layers=1)
+  src = tmp_path / "tok"
+  src.mkdir()
+  (src / "tokenizer.json").write_text('{"version": "1.0"}')
+  (src / "generation_config.json").write_text('{"eos_token_id": 2}')
+  out = tmp_path / "out"
+  written = export.export_run(
+    str(out), pcfg, params, dcfg, dp, dtype="bfloat16", tokenizer_path=str(src / "tokenizer.json")
+  )
+  assert written["draft_format"] == "dflash"
+  assert sorted(written["tokenizer_files"]) == ["generation_config.json", "tokenizer.json"]
+  assert (out / "policy" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+  _, back = hf.load_policy(str(out / "policy"))
+  bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(bf16(a), b), params, back)
+  with safe_open(str(out / "draft" / "model.safetensors"), framework="np") as f:
+    assert set(f.keys()) == set(hf.dflash_tensors(1))
+  c = json.loads((out / "draft" / "config.json").read_text())
+  assert c["torch_dtype"] == "bfloat16" and c["architectures"] == ["DFlashDraftModel"]

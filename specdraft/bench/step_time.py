@@ -1,7 +1,8 @@
 """Co-training step vs RL-only step, timed side by side in one run (experiments/bench_step.py).
 
-Per case (policy depth L, TTT steps K, a one-layer draft): the RL-only step, the co-training
-step and the draft's TTT loss alone (forward + backward from fixed policy features) are compiled
+Per case (policy depth L, TTT steps K, a one-layer draft; a case may name another draft kind,
+(L, K, kind): a block draft proposing K tokens a round): the RL-only step, the co-training
+step and the draft's loss alone (forward + backward from fixed policy features) are compiled
 and timed interleaved on the same batch. Their matmul FLOPs are read from the compiled programs
 (`bench.hlo.dot_flops`, loop trip counts included). The co-training step's matmul work is
 RL-only's plus the draft's (`cotrain_flops_over_sum` checks it), so the time ratio it would show
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specdraft.bench import hlo, provenance
-from specdraft.model import eagle3
+from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import CharTokenizer
 from specdraft.train import sequence
@@ -51,7 +52,7 @@ def _programs(config, pcfg, dcfg, batch, *, vocab_chunk: int, attn_tile: int):
   optimizer update) and the draft's TTT loss alone, forward + backward, from the policy's
   (fixed, precomputed) final hidden state and taps. Returns ({name: jitted}, {name: args})."""
   params = pol.init_params(pcfg, 0)
-  dparams = eagle3.init_params(dcfg, 1, params, pcfg)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
   fns, args = {}, {}
   for name, train_draft in (("rl_only", False), ("cotrain", True)):
     tx = step_lib.make_cotrain_optimizer(config.rl, config.draft, train_draft=train_draft)
@@ -84,14 +85,22 @@ def _programs(config, pcfg, dcfg, batch, *, vocab_chunk: int, attn_tile: int):
   return fns, args
 
 
-def _case(config, layers: int, ttt_steps: int, b) -> dict:
-  """One (policy depth, K) case: compiled matmul FLOPs of each program, then interleaved timing."""
+def case_key(layers: int, ttt_steps: int, kind: str = "eagle3") -> str:
+  """by_case key: L{layers}_K{K} for EAGLE-3, L{layers}_{kind}_G{K} for a block draft."""
+  return f"L{layers}_K{ttt_steps}" if kind == "eagle3" else f"L{layers}_{kind}_G{ttt_steps}"
+
+
+def _case(config, layers: int, ttt_steps: int, b, kind: str = "eagle3") -> dict:
+  """One (policy depth, K, draft kind) case: compiled matmul FLOPs of each program, then
+  interleaved timing. A block draft (dflash, dspark) gets the block that proposes K tokens."""
   model = config.model.copy_and_resolve_references()
   model.n_layers = layers
   pcfg = pol.PolicyConfig.from_config(model, CharTokenizer().vocab_size)
   draft_cfg = config.draft.copy_and_resolve_references()
+  draft_cfg.kind = kind
   draft_cfg.ttt_steps = ttt_steps
-  dcfg = eagle3.DraftConfig.from_config(draft_cfg, pcfg)
+  draft_cfg.block.block_size = 0  # the block that proposes K tokens
+  dcfg = drafts.draft_config(draft_cfg, pcfg, num_draft=ttt_steps)
   batch = sequence.lay_out(synthetic_batch(b.batch_size, b.seq_len, pcfg.vocab_size), 1)
   batch = jax.tree.map(jnp.asarray, batch)
   fns, args = _programs(
@@ -111,6 +120,7 @@ def _case(config, layers: int, ttt_steps: int, b) -> dict:
   ratio = med["cotrain"] / med["rl_only"]
   return {
     "policy_layers": layers,
+    "draft_kind": kind,
     "ttt_steps": ttt_steps,
     "rl_only_s": med["rl_only"],
     "cotrain_s": med["cotrain"],
@@ -125,7 +135,21 @@ def _case(config, layers: int, ttt_steps: int, b) -> dict:
   }
 
 
+def check_cases(cases) -> None:
+  """Each case is (layers, K) or (layers, K, kind); raises naming the bad one before any work."""
+  for case in cases:
+    ok = isinstance(case, (tuple, list)) and len(case) in (2, 3)
+    if ok and len(case) == 3 and case[2] not in drafts.KINDS:
+      ok = False
+    if not ok or int(case[0]) < 1 or int(case[1]) < 1:
+      raise ValueError(
+        f"config.bench_step.cases: {case!r} is invalid; expected (policy layers >= 1, K >= 1) "
+        f"or (layers, K, kind) with kind in {drafts.KINDS}"
+      )
+
+
 def run(config, workdir: str) -> dict:
+  check_cases(config.bench_step.cases)
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   os.makedirs(workdir, exist_ok=True)
   b = config.bench_step
@@ -138,12 +162,13 @@ def run(config, workdir: str) -> dict:
     "rows": [],
     "by_case": {},
   }
-  for layers, ttt_steps in b.cases:
-    row = _case(config, layers, ttt_steps, b)
+  for case in b.cases:
+    layers, ttt_steps, kind = (*case, "eagle3")[:3]
+    row = _case(config, layers, ttt_steps, b, kind)
     results["rows"].append(row)
-    results["by_case"][f"L{layers}_K{ttt_steps}"] = row
+    results["by_case"][case_key(layers, ttt_steps, kind)] = row
     print(
-      f"L={layers} K={ttt_steps}: co-train {row['cotrain_s'] * 1e3:.1f} ms, RL-only "
+      f"L={layers} K={ttt_steps} {kind}: co-train {row['cotrain_s'] * 1e3:.1f} ms, RL-only "
       f"{row['rl_only_s'] * 1e3:.1f} ms, draft alone {row['draft_alone_s'] * 1e3:.1f} ms -> "
       f"ratio {row['ratio']:.3f} vs FLOP bound {row['flop_bound']:.3f} "
       f"({row['ratio_over_bound']:.3f}x); extra / draft alone {row['extra_over_draft_alone']:.2f}",

@@ -468,7 +468,7 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
     # the tapped target layers (0-indexed layer outputs), low to high: fc's input order
     "eagle_config": {
       "use_aux_hidden_state": True,
-      "eagle_aux_hidden_state_layer_ids": list(pcfg.taps),
+      "eagle_aux_hidden_state_layer_ids": sorted(pcfg.taps),  # (run_layers taps in order)
     },
   }
 
@@ -517,3 +517,132 @@ def save_eagle3(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.fl
   write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(eagle3_config(dcfg, pcfg, dtype=dtype, **config), f, indent=2)
+
+
+# ----------------------------------------------------------------------------- DFlash drafts
+
+# The tensors of a DFlash draft checkpoint as the public DFlash reference code names them (N
+# tapped target layers, L draft layers; Qwen3 decoder layers): `fc` fuses the tapped layers
+# into the context feature hidden_norm(fc(taps)); each layer's queries read the block only,
+# its keys and values [context; block] through the same k/v projections, q/k RMS-normalised
+# per head before RoPE; `norm` before the target's LM head. Neither the embedding (the block
+# embeds [anchor token, mask_token_id x (W - 1)] with the target's) nor the head is saved.
+DFLASH_TENSORS = {
+  "fc.weight": ("E", "N*E"),
+  "hidden_norm.weight": ("E",),
+  "norm.weight": ("E",),
+}
+DFLASH_LAYER_TENSORS = {
+  "layers.{i}.input_layernorm.weight": ("E",),
+  "layers.{i}.self_attn.q_proj.weight": ("H*D", "E"),
+  "layers.{i}.self_attn.k_proj.weight": ("K*D", "E"),
+  "layers.{i}.self_attn.v_proj.weight": ("K*D", "E"),
+  "layers.{i}.self_attn.o_proj.weight": ("E", "H*D"),
+  "layers.{i}.self_attn.q_norm.weight": ("D",),
+  "layers.{i}.self_attn.k_norm.weight": ("D",),
+  "layers.{i}.post_attention_layernorm.weight": ("E",),
+  "layers.{i}.mlp.gate_proj.weight": ("F", "E"),
+  "layers.{i}.mlp.up_proj.weight": ("F", "E"),
+  "layers.{i}.mlp.down_proj.weight": ("E", "F"),
+}
+
+
+def dflash_tensors(n_layers: int) -> dict[str, tuple[str, ...]]:
+  """Every tensor name of an `n_layers`-layer DFlash checkpoint with its symbolic shape."""
+  out = dict(DFLASH_TENSORS)
+  for i in range(n_layers):
+    out |= {k.format(i=i): s for k, s in DFLASH_LAYER_TENSORS.items()}
+  return out
+
+
+def _check_dflash_exportable(dcfg) -> None:
+  if dcfg.kind != "dflash":
+    raise ValueError(
+      f"draft.kind={dcfg.kind!r}: only DFlash drafts export to the DFlash format (DSpark's "
+      "Markov head has no public checkpoint format); expected 'dflash'"
+    )
+  if dcfg.mask_token_id < 0:
+    raise ValueError(
+      "draft.block.mask_token_id=-1: this draft learned its own MASK vector, which a DFlash "
+      "checkpoint cannot hold (serving embeds MASK with the target's embedding row of "
+      "mask_token_id); train with draft.block.mask_token_id set to a token id of the policy"
+    )
+  if not dcfg.qk_norm:
+    raise ValueError(
+      "draft.block.qk_norm=False: DFlash checkpoints are Qwen3 layers with q/k norms, which "
+      "this draft does not have; train with draft.block.qk_norm=True"
+    )
+
+
+def dflash_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):
+  """config.json of a DFlash draft (the fields the public DFlash loader reads: a Qwen3 config
+  with block_size, the target's layer count and `dflash_config`)."""
+  _check_dflash_exportable(dcfg)
+  L = dcfg.n_layers
+  return {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "hidden_size": dcfg.d_model,
+    "intermediate_size": dcfg.d_ff,
+    "num_hidden_layers": L,
+    "num_attention_heads": dcfg.n_heads,
+    "num_key_value_heads": dcfg.n_kv_heads,
+    "head_dim": dcfg.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": dcfg.norm_eps,
+    "rope_theta": dcfg.rope_theta,
+    "rope_scaling": None,
+    "max_position_embeddings": max_positions,
+    "vocab_size": pcfg.vocab_size,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "layer_types": ["full_attention"] * L,  # non-causal: the block sees itself bidirectionally
+    "torch_dtype": np.dtype(dtype).name,
+    "block_size": dcfg.block_size,
+    "num_target_layers": pcfg.n_layers,
+    # the tapped target layers (0-indexed layer outputs), low to high: fc's input order
+    "dflash_config": {
+      "mask_token_id": dcfg.mask_token_id,
+      "target_layer_ids": sorted(pcfg.taps),
+    },
+  }
+
+
+def save_dflash(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.float32, **config):
+  """Writes a trained DFlash draft (model/dflash.py) as a DFlash checkpoint: config.json and
+  model.safetensors with the names and shapes of `dflash_tensors`. Refuses, naming the config
+  field, a draft the format cannot express: DSpark, a learned MASK vector, no q/k norms."""
+  _check_dflash_exportable(dcfg)
+  E, H, K, D = dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim
+  d = jax.tree.map(lambda a: np.asarray(jax.device_get(a), np.float32), dparams)
+  want = {"fc", "ctx_norm", "layers", "final_norm"}
+  if set(d) != want:
+    raise ValueError(f"not DFlash draft parameters: keys {sorted(d)}, expected {sorted(want)}")
+  out = {
+    "fc.weight": d["fc"].T,
+    "hidden_norm.weight": d["ctx_norm"],
+    "norm.weight": d["final_norm"],
+  }
+  ly = d["layers"]
+  for i in range(dcfg.n_layers):
+    p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+    out |= {
+      p + "input_layernorm.weight": ly["attn_norm"][i],
+      a + "q_proj.weight": ly["wq"][i].reshape(E, H * D).T,
+      a + "k_proj.weight": ly["wk"][i].reshape(E, K * D).T,
+      a + "v_proj.weight": ly["wv"][i].reshape(E, K * D).T,
+      a + "o_proj.weight": ly["wo"][i].reshape(H * D, E).T,
+      a + "q_norm.weight": ly["q_norm"][i],
+      a + "k_norm.weight": ly["k_norm"][i],
+      p + "post_attention_layernorm.weight": ly["mlp_norm"][i],
+      p + "mlp.gate_proj.weight": ly["w_gate"][i].T,
+      p + "mlp.up_proj.weight": ly["w_up"][i].T,
+      p + "mlp.down_proj.weight": ly["w_down"][i].T,
+    }
+  out = {k: np.ascontiguousarray(v).astype(np.dtype(dtype)) for k, v in out.items()}
+  os.makedirs(path, exist_ok=True)
+  write_safetensors(os.path.join(path, "model.safetensors"), out, {"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(dflash_config(dcfg, pcfg, dtype=dtype, **config), f, indent=2)

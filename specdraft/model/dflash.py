@@ -61,6 +61,8 @@ class BlockDraftConfig:
   gamma: float = 4.0
   markov_rank: int = 16
   l1_weight: float = 0.0
+  mask_token_id: int = -1  # -1: a learned mask embedding; else the policy's row of this id
+  qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (context keys too)
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   init_std: float = 0.02
@@ -118,6 +120,8 @@ class BlockDraftConfig:
       gamma=block.gamma,
       markov_rank=block.markov_rank,
       l1_weight=block.l1_weight,
+      mask_token_id=int(block.get("mask_token_id", -1)),
+      qk_norm=bool(block.get("qk_norm", False)),
       rope_theta=pcfg.rope_theta,
       norm_eps=pcfg.norm_eps,
       dtype=pcfg.dtype,
@@ -151,6 +155,9 @@ class _Layers(nnx.Module):
     self.w_gate = nnx.Param(normal(rngs.params(), (L, E, F)))
     self.w_up = nnx.Param(normal(rngs.params(), (L, E, F)))
     self.w_down = nnx.Param(normal(rngs.params(), (L, F, E)))
+    if cfg.qk_norm:  # `policy.qkv` applies them where the layer has them
+      self.q_norm = nnx.Param(jnp.ones((L, D)))
+      self.k_norm = nnx.Param(jnp.ones((L, D)))
 
 
 class BlockDraft(nnx.Module):
@@ -158,8 +165,8 @@ class BlockDraft(nnx.Module):
     E, N = cfg.d_model, cfg.n_taps
     self.fc = nnx.Param(nnx.initializers.normal((N * E) ** -0.5)(rngs.params(), (N * E, E)))
     self.ctx_norm = nnx.Param(jnp.ones((E,)))
-    # The char tokenizer has no spare id for MASK: the draft owns the mask embedding.
-    self.mask_embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (E,)))
+    if cfg.mask_token_id < 0:  # (the char tokenizer has no spare id for MASK)
+      self.mask_embed = nnx.Param(nnx.initializers.normal(cfg.init_std)(rngs.params(), (E,)))
     self.layers = _Layers(cfg, rngs=rngs)
     self.final_norm = nnx.Param(jnp.ones((E,)))
     if cfg.has_markov:
@@ -194,19 +201,25 @@ def context(dp: Params, taps_NBSE, cfg: BlockDraftConfig):
 
 
 def block_inputs(dp: Params, cfg: BlockDraftConfig, embed_table, anchor_tokens):
-  """Embeddings of the blocks [x_anchor, MASK x (W-1)] at every anchor: [..., W, E]."""
+  """Embeddings of the blocks [x_anchor, MASK x (W-1)] at every anchor: [..., W, E]. MASK is the
+  draft's learned vector, or the policy's embedding row of `cfg.mask_token_id` (frozen)."""
   dt = cfg.compute_dtype
-  first = jnp.take(jax.lax.stop_gradient(embed_table), anchor_tokens, axis=0).astype(dt)
-  rest = jnp.broadcast_to(dp["mask_embed"].astype(dt), first.shape)
+  table = jax.lax.stop_gradient(embed_table)
+  first = jnp.take(table, anchor_tokens, axis=0).astype(dt)
+  mask = dp["mask_embed"] if cfg.mask_token_id < 0 else table[cfg.mask_token_id]
+  rest = jnp.broadcast_to(mask.astype(dt), first.shape)
   W = cfg.block_size
   return jnp.stack([first] + [rest] * (W - 1), axis=-2)
 
 
 def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
-  """One layer's keys and values of the context (RoPE at the context positions)."""
+  """One layer's keys and values of the context (the layer's k norm, then RoPE at the context
+  positions). The context features are already normalised: no attention-input norm here."""
   dt = cfg.compute_dtype
   k = jnp.einsum("bse,ekd->bskd", ctx_BSE, lp["wk"].astype(dt))
   v = jnp.einsum("bse,ekd->bskd", ctx_BSE, lp["wv"].astype(dt))
+  if "k_norm" in lp:
+    k = pol.rms_norm(k, lp["k_norm"], cfg.norm_eps)
   return pol.rope(k, positions_BS, cfg.rope_theta), v
 
 

@@ -5,6 +5,7 @@
   3. RL                   GRPO with SD rollouts; policy and draft co-train (train/phases.py)
   4. SD vs AR report      tau, speedup, greedy equality on the final checkpoint (train/evaluate.py)
   5. plots and summary    plots/*.png, summary.json                       (train/report.py)
+  6. export (export.dir)  the policy as an HF checkpoint, the draft for serving (interop/export.py)
 
 Every phase checkpoints on its own and is skipped when already complete, so a killed run resumes
 where it stopped. Train states and their restore are in train/state.py.
@@ -19,6 +20,7 @@ import time
 import jax
 
 from specdraft.parallel import multihost
+from specdraft.tasks import tokenizer as tok_lib
 from specdraft.train.evaluate import rollout_report
 from specdraft.train.phases import Context, draft_phase, init_draft, rl_phase, sft_phase
 from specdraft.train.report import summarise, summary_table, write_plots
@@ -85,6 +87,23 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
     write_plots(workdir, config, ttt_steps=ctx.dcfg.ttt_steps)
   summary = summarise(workdir, config, rollout)
   lap("plots")
+  # 6. The policy and the draft for serving (export.dir), once every phase has finished.
+  out = config.get("export", {}).get("dir", "")
+  if done and out:
+    from specdraft.interop import export
+
+    out = out if os.path.isabs(out) else os.path.join(workdir, out)
+    summary["export"] = export.export_run(
+      out,
+      ctx.pcfg,
+      params,
+      ctx.dcfg,
+      dparams,
+      dtype=config.export.get("dtype", "float32"),
+      tokenizer_path=tok_lib.tokenizer_path(config),
+      checkpoint_dir=config.model.get("init_from", "") or "",
+    )
+    lap("export")
   summary["phase_seconds"] = phase_seconds
   summary["wall_seconds"] = time.time() - t_start
   summary["processes"] = jax.process_count()
