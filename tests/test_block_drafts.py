@@ -510,3 +510,28 @@ def test_benchmark_entries_name_a_kind_and_optional_block_overrides():
   ]
   out = bench.over_batches(rows, ["dspark", bench.NO_MARKOV])
   assert out["dspark_over_no_markov_tau"] == pytest.approx(2.5 / 2.0)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_bench_step_cotraining_adds_only_the_block_drafts_matmul_work(kind):
+  """bench_step's cases name a kind; for a block draft the co-training step's compiled matmul
+  FLOPs are at most RL-only's plus the draft loss's alone (the step shares the policy's
+  logits with the draft's targets) and not less than 95% of that sum (no draft work dropped)."""
+  from configs import bench_step
+  from specdraft.bench import hlo, step_time
+
+  c = bench_step.get_config("drafts")
+  assert [case[2] for case in c.bench_step.cases] == ["eagle3", "dflash", "dspark"] * 2
+  assert "by_case.L32_dspark_G7.ratio_over_bound" in {g.metric for g in c.bench_step.goals.values()}
+  with pytest.raises(ValueError, match=r"cases: \(12, 7, 'medusa'\) is invalid"):
+    step_time.check_cases(((12, 7, "medusa"),))
+  c = bench_step.get_config("drafts,smoke")
+  c.draft.kind, c.draft.block.block_size = kind, 0
+  pcfg = pol.PolicyConfig.from_config(c.model, 99)
+  dcfg = drafts.draft_config(c.draft, pcfg, num_draft=2)
+  batch = sequence.lay_out(step_time.synthetic_batch(4, 16, pcfg.vocab_size), 1)
+  batch = jax.tree.map(jnp.asarray, batch)
+  fns, args = step_time._programs(c, pcfg, dcfg, batch, vocab_chunk=0, attn_tile=512)
+  flops = {k: hlo.dot_flops(f.lower(*args[k]).compile().as_text()) for k, f in fns.items()}
+  both = flops["rl_only"] + flops["draft_alone"]
+  assert 0.95 * both <= flops["cotrain"] <= both, flops
