@@ -1,5 +1,7 @@
+import copy
 import json
 import os
+import re
 import shutil
 
 import _tolerance as tol
@@ -287,3 +289,41 @@ def test_draft_rollout_temperatures_cycle_over_steps_from_the_step_count(
   _, finished = phases.draft_phase(ctx, params)  # resumes at step 2: temperature 0 again
   jax.effects_barrier()
   assert finished and used == [0.0, 1.0, 0.0]
+
+
+def test_a_resumed_workdir_refuses_a_change_to_what_the_run_is(smoke_config, tmp_path):
+  """workdir/run_config.json records the run's config; resuming the workdir under another policy,
+  task, data or draft identity is refused before any work, naming the field; steps, evaluation,
+  export and the like may change."""
+  c = smoke_config
+  wd = str(tmp_path / "run")
+  loop.check_and_record_config(c, wd)
+  with open(os.path.join(wd, loop.RUN_CONFIG)) as f:
+    rec = json.load(f)
+  assert rec["identity"]["model.n_layers"] == c.model.n_layers
+  assert rec["config"]["sft.steps"] == c.sft.steps
+  c.sft.steps, c.eval.report_repeats, c.checkpoint.keep = c.sft.steps + 5, 0, 3
+  loop.check_and_record_config(c, wd)  # a longer run, no report, more checkpoints: the same run
+  with open(os.path.join(wd, loop.RUN_CONFIG)) as f:
+    assert json.load(f)["config"]["sft.steps"] == c.sft.steps  # the latest invocation's config
+  for field, value in (
+    ("model.init_from", "/elsewhere/checkpoint"),
+    ("draft.vocab_file", "/elsewhere/vocab.json"),
+    ("draft.kind", "dflash"),
+    ("task.arithmetic.max_digits", 4),
+    ("seed", 7),
+  ):
+    d = copy.deepcopy(c)
+    *path, last = field.split(".")
+    node = d
+    for p in path:
+      node = node[p]
+    node[last] = value
+    with pytest.raises(ValueError, match=rf"config\.{re.escape(field)}=.*started with"):
+      loop.check_and_record_config(d, wd)
+  # train_and_evaluate checks before building anything
+  d = copy.deepcopy(c)
+  d.seed = 7
+  with pytest.raises(ValueError, match=r"config\.seed=7 .*started with 0"):
+    loop.train_and_evaluate(d, wd)
+  assert sorted(os.listdir(wd)) == [loop.RUN_CONFIG]

@@ -19,6 +19,7 @@ import time
 
 import jax
 
+from specdraft import config as config_lib
 from specdraft.parallel import multihost
 from specdraft.tasks import tokenizer as tok_lib
 from specdraft.train.evaluate import rollout_report
@@ -39,6 +40,69 @@ __all__ = [
 ]
 
 
+# The settings that make a run what it is: a workdir resumed under other values would continue
+# another run's checkpoints (the policy's architecture and source, the task and its data, the
+# draft's kind and sizes). Steps, evaluation, checkpointing, export and layout may change.
+IDENTITY = (
+  "seed",
+  "model.",
+  "task.",
+  "data.tokenizer",
+  "data.chat_template",
+  "data.shuffle_seed",
+  "draft.kind",
+  "draft.vocab_size",
+  "draft.vocab_file",
+  "draft.n_heads",
+  "draft.n_kv_heads",
+  "draft.head_dim",
+  "draft.d_ff",
+  "draft.block.n_layers",
+  "draft.block.block_size",
+  "draft.block.markov_rank",
+  "draft.block.mask_token_id",
+  "draft.block.qk_norm",
+)
+RUN_CONFIG = "run_config.json"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out |= _flat(v, f"{prefix}{k}.")
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def check_and_record_config(config, workdir: str) -> None:
+  """Writes the run's config to workdir/run_config.json; when the workdir already holds one (a
+  resumed run), refuses, naming the field, a change to a setting of IDENTITY."""
+  flat = json.loads(json.dumps(_flat(config.copy_and_resolve_references().to_dict()), default=str))
+  ident = {k: v for k, v in flat.items() if any(k == p or k.startswith(p) for p in IDENTITY)}
+  path = os.path.join(workdir, RUN_CONFIG)
+  if os.path.isfile(path):
+    with open(path) as f:
+      before = json.load(f)["identity"]
+    for k in sorted(set(before) | set(ident)):
+      if before.get(k) != ident.get(k):
+        raise ValueError(
+          f"config.{k}={ident.get(k)!r} is invalid for workdir {workdir}: the run there was "
+          f"started with {before.get(k)!r}, and resuming it under another value would continue "
+          f"its checkpoints as a different run; set it back, or use a new workdir"
+        )
+  else:
+    before = ident
+  multihost.sync("specdraft: run config checked")  # every process reads before one writes
+  if multihost.is_primary():
+    os.makedirs(workdir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump({"identity": before, "config": flat}, f, indent=2)
+    os.replace(tmp, path)
+
+
 def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | None = None) -> dict:
   """SFT -> draft distillation -> RL with (co-trained) speculative rollouts -> SD report.
 
@@ -46,7 +110,10 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   plots and checkpoints; returns the run summary (also in `workdir/summary.json`).
   """
   t_start = time.time()
-  ctx = Context(config, workdir)  # validates the config before anything compiles
+  # Before any work: the config's values, then that a resumed workdir is the same run.
+  config_lib.validate(config)
+  check_and_record_config(config, workdir)
+  ctx = Context(config, workdir)
   stop = dict([stop_after]) if stop_after else {}
   # Wall seconds of each phase in this invocation (a phase resumed as complete costs ~0).
   phase_seconds = {}
