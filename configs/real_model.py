@@ -44,9 +44,9 @@ def get_config(arg: str | None = None):
   # the 4th and 5th proposals were never accepted in a run of this config at b06fb7c)
   d.kind, d.ttt_steps, d.vocab_size = "eagle3", c.decode.num_draft, 2048
   # A distillation step (32 prompts rolled out for 32 tokens by the 30-layer policy, then one
-  # draft update on them) took about 10 s on 2 cores with nothing else running (b06fb7c: 4 s
-  # the rollout, 4 s the update), so 120 steps are about 20 minutes, plus about 6 for
-  # conversion, the draft's vocabulary, the checks and the timed points.
+  # draft update on them) took about 8 s on an Intel 2-core machine (b06fb7c: 4 s the rollout,
+  # 4 s the update) and about 33 s on an AMD EPYC 2-core machine (the full run at 14fa778: 69 of
+  # its 81 minutes), plus about 10 minutes for conversion, the vocabulary, checks and timing.
   d.pretrain_steps = arg.steps or 120
   d.batch_size, d.lr, d.warmup_steps, d.log_every = 32, 3e-3, 5, 5
   # Greedy and sampled generations on alternate steps: the report times SD at T = 0 and T = 1,

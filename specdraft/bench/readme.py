@@ -65,7 +65,7 @@ def _value(v) -> str:
   if isinstance(v, bool):
     return str(v).lower()
   if isinstance(v, float):
-    return f"{v:.3f}"
+    return f"{v:.1e}" if 0 < abs(v) < 1e-3 else f"{v:.3f}"
   return str(v)
 
 
@@ -697,6 +697,16 @@ def long_run(r: dict, rel_dir: str) -> str:
 
 
 # (results file, renderer); a renderer takes the results and the file's directory.
+def _temps(k: dict) -> str:
+  """The distillation rollouts' temperatures, where the results file records them."""
+  temps = k.get("rollout_temperatures")
+  if not temps:
+    return ""
+  if len(temps) == 1:
+    return f" at T = {temps[0]:g}"
+  return f" at T = {', '.join(f'{t:g}' for t in temps)} in turn, step by step"
+
+
 def real_model(r: dict) -> str:
   """experiments/real_model_sd.py: a real pretrained policy, its distilled draft, SD vs AR."""
   k, p = r["config"], r["parity"]
@@ -711,7 +721,7 @@ def real_model(r: dict) -> str:
     f"completions {'equal' if p['greedy_equal'] else 'NOT equal'} token for token. "
     f"An EAGLE-3 draft over the policy's {k['draft_vocab']} most frequent generated tokens "
     f"(K={k['ttt_steps']} TTT steps) was distilled for {k['draft_steps']} steps of "
-    f"{k['draft_batch']} of the policy's own T = 1 rollouts (final draft loss "
+    f"{k['draft_batch']} of the policy's own rollouts{_temps(k)} (final draft loss "
     f"{_f(draft['draft_loss'], 3)}), with no SFT and no RL. The whole experiment took "
     f"{_f(r['total_seconds'] / 60, 1)} min. Then SD (G={k['num_draft']}) and AR generated "
     f"{k['max_new_tokens']} new tokens on distinct held-out prompts, each batch of them timed "

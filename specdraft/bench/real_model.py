@@ -199,6 +199,7 @@ def run(config, workdir: str) -> dict:
       "draft_steps": int(config.draft.pretrain_steps),
       "draft_batch": int(config.draft.batch_size),
       "ttt_steps": int(config.draft.ttt_steps),
+      "rollout_temperatures": list(phases.rollout_temperatures(config.draft)),
       "num_draft": int(config.decode.num_draft),
       "max_new_tokens": int(config.decode.max_new_tokens),
     },
