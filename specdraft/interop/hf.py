@@ -442,15 +442,13 @@ EAGLE3_TENSORS = {
 }
 
 
-def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):
-  """config.json of an EAGLE-3 draft (the fields EAGLE-3 serving loaders read)."""
+def _draft_layer_fields(dcfg, pcfg: pol.PolicyConfig, n_layers: int, dtype, max_positions: int):
+  """The config.json fields a draft's decoder layers share across formats (Llama / Qwen3 names;
+  no biases, its own RoPE theta, the target's vocabulary, no head tied to an embedding)."""
   return {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "model_type": "llama",
     "hidden_size": dcfg.d_model,
-    "target_hidden_size": pcfg.d_model,
     "intermediate_size": dcfg.d_ff,
-    "num_hidden_layers": 1,
+    "num_hidden_layers": n_layers,
     "num_attention_heads": dcfg.n_heads,
     "num_key_value_heads": dcfg.n_kv_heads,
     "head_dim": dcfg.head_dim,
@@ -460,11 +458,21 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
     "rope_scaling": None,
     "max_position_embeddings": max_positions,
     "vocab_size": pcfg.vocab_size,
-    "draft_vocab_size": dcfg.draft_vocab,
     "tie_word_embeddings": False,
     "attention_bias": False,
-    "mlp_bias": False,
     "torch_dtype": np.dtype(dtype).name,
+  }
+
+
+def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):
+  """config.json of an EAGLE-3 draft (the fields EAGLE-3 serving loaders read)."""
+  return {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    **_draft_layer_fields(dcfg, pcfg, 1, dtype, max_positions),
+    "target_hidden_size": pcfg.d_model,
+    "draft_vocab_size": dcfg.draft_vocab,
+    "mlp_bias": False,
     # the tapped target layers (0-indexed layer outputs), low to high: fc's input order
     "eagle_config": {
       "use_aux_hidden_state": True,
@@ -582,24 +590,10 @@ def dflash_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
   return {
     "architectures": ["DFlashDraftModel"],
     "model_type": "qwen3",
-    "hidden_size": dcfg.d_model,
-    "intermediate_size": dcfg.d_ff,
-    "num_hidden_layers": L,
-    "num_attention_heads": dcfg.n_heads,
-    "num_key_value_heads": dcfg.n_kv_heads,
-    "head_dim": dcfg.head_dim,
-    "hidden_act": "silu",
-    "rms_norm_eps": dcfg.norm_eps,
-    "rope_theta": dcfg.rope_theta,
-    "rope_scaling": None,
-    "max_position_embeddings": max_positions,
-    "vocab_size": pcfg.vocab_size,
-    "attention_bias": False,
+    **_draft_layer_fields(dcfg, pcfg, L, dtype, max_positions),
     "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
     "use_sliding_window": False,
     "layer_types": ["full_attention"] * L,  # non-causal: the block sees itself bidirectionally
-    "torch_dtype": np.dtype(dtype).name,
     "block_size": dcfg.block_size,
     "num_target_layers": pcfg.n_layers,
     # the tapped target layers (0-indexed layer outputs), low to high: fc's input order
