@@ -34,7 +34,7 @@ def get_config(arg: str | None = None):
   # above RL-only + 1.2x the draft alone.
   goals = {}
   for case_ in c.bench_step.cases:
-    layers, k, kind = (*case_, "eagle3")[:3]
+    layers, k, kind = step_time.parse_case(case_)
     if k != 7 and not arg.smoke:
       continue
     case = step_time.case_key(layers, k, kind)

@@ -62,7 +62,7 @@ def validate(config, *, num_devices: int | None = None) -> None:
   _validate_draft(config, pcfg, tok)
   _validate_rl(config)
   _validate_compute(config)
-  _validate_export(config, pcfg)
+  _validate_export(config, pcfg, tok)
   _validate_layout(config, num_devices, pcfg)
 
 
@@ -310,28 +310,22 @@ def _validate_rl(config) -> None:
     print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
 
 
-def _validate_export(config, pcfg) -> None:
+def _validate_export(config, pcfg, tok) -> None:
   ex = config.get("export", None)
   if ex is None or not ex.get("dir", ""):
     return
-  from specdraft.interop import export
+  from specdraft.interop import export, hf
   from specdraft.model import policy as pol
 
   if not isinstance(ex.dir, str):
     _fail("export.dir", ex.dir, "expected a directory path (a string; '' for no export)")
   if ex.get("dtype", "float32") not in export.DTYPES:
     _fail("export.dtype", ex.dtype, f"expected one of {export.DTYPES}")
-  m = config.model
-  if pcfg is not None:
-    n_taps = len(pcfg.taps)
-  elif m.tap_layers is not None:
-    n_taps = len(m.tap_layers)
-  else:
-    n_taps = len(pol.default_tap_layers(m.n_layers))
+  taps = (pcfg or pol.PolicyConfig.from_config(config.model, tok.vocab_size)).taps
   dr = config.draft
   bl = dr.get("block", {})
-  problem = export.export_problem(
-    dr.get("kind", "eagle3"), n_taps, bl.get("mask_token_id", -1), bl.get("qk_norm", False)
+  problem = hf.export_problem(
+    dr.get("kind", "eagle3"), len(taps), bl.get("mask_token_id", -1), bl.get("qk_norm", False)
   )
   if problem is not None:
     field, value, why = problem

@@ -696,7 +696,6 @@ def long_run(r: dict, rel_dir: str) -> str:
   return "\n".join(lines)
 
 
-# (results file, renderer); a renderer takes the results and the file's directory.
 def _temps(k: dict) -> str:
   """The distillation rollouts' temperatures, where the results file records them."""
   temps = k.get("rollout_temperatures")
@@ -747,6 +746,7 @@ def real_model(r: dict) -> str:
   return head + "\n\n" + table
 
 
+# (results file, renderer); a renderer takes the results and the file's directory.
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),

@@ -135,17 +135,23 @@ def _case(config, layers: int, ttt_steps: int, b, kind: str = "eagle3") -> dict:
   }
 
 
+def parse_case(case) -> tuple[int, int, str]:
+  """(policy layers, K, draft kind) of a case (layers, K) or (layers, K, kind); raises naming a
+  bad one."""
+  ok = isinstance(case, (tuple, list)) and len(case) in (2, 3)
+  layers, k, kind = (*case, "eagle3")[:3] if ok else (0, 0, "")
+  if not ok or kind not in drafts.KINDS or int(layers) < 1 or int(k) < 1:
+    raise ValueError(
+      f"config.bench_step.cases: {case!r} is invalid; expected (policy layers >= 1, K >= 1) "
+      f"or (layers, K, kind) with kind in {drafts.KINDS}"
+    )
+  return int(layers), int(k), kind
+
+
 def check_cases(cases) -> None:
-  """Each case is (layers, K) or (layers, K, kind); raises naming the bad one before any work."""
+  """Every case parses (before any work)."""
   for case in cases:
-    ok = isinstance(case, (tuple, list)) and len(case) in (2, 3)
-    if ok and len(case) == 3 and case[2] not in drafts.KINDS:
-      ok = False
-    if not ok or int(case[0]) < 1 or int(case[1]) < 1:
-      raise ValueError(
-        f"config.bench_step.cases: {case!r} is invalid; expected (policy layers >= 1, K >= 1) "
-        f"or (layers, K, kind) with kind in {drafts.KINDS}"
-      )
+    parse_case(case)
 
 
 def run(config, workdir: str) -> dict:
@@ -163,7 +169,7 @@ def run(config, workdir: str) -> dict:
     "by_case": {},
   }
   for case in b.cases:
-    layers, ttt_steps, kind = (*case, "eagle3")[:3]
+    layers, ttt_steps, kind = parse_case(case)
     row = _case(config, layers, ttt_steps, b, kind)
     results["rows"].append(row)
     results["by_case"][case_key(layers, ttt_steps, kind)] = row

@@ -1,6 +1,6 @@
 """A finished run's policy and draft written out for serving (`export.dir`): the policy as a
 Hugging Face checkpoint of its family, with the run's tokenizer files, and the draft in the
-format its serving loaders read (EAGLE-3 or DFlash). `export_problem` says, before anything
+format its serving loaders read (EAGLE-3 or DFlash). `hf.export_problem` says, before anything
 compiles, why a run's draft could not be exported (config validation reports it)."""
 
 from __future__ import annotations
@@ -24,31 +24,6 @@ TOKENIZER_FILES = (
   "generation_config.json",
   "chat_template.jinja",
 )
-
-
-def export_problem(kind: str, n_taps: int, mask_token_id: int, qk_norm: bool):
-  """(config field, value, why) when a draft of these settings cannot be exported, else None."""
-  if kind == "eagle3" and n_taps != 3:
-    return (
-      "model.tap_layers",
-      n_taps,
-      "an EAGLE-3 checkpoint fuses exactly 3 tapped layers; set 3 tap layers to export",
-    )
-  if kind == "dspark":
-    return ("draft.kind", kind, "DSpark's Markov head has no public checkpoint format")
-  if kind == "dflash" and mask_token_id < 0:
-    return (
-      "draft.block.mask_token_id",
-      mask_token_id,
-      "a DFlash checkpoint embeds MASK as the target's row of a token id; set one to export",
-    )
-  if kind == "dflash" and not qk_norm:
-    return (
-      "draft.block.qk_norm",
-      qk_norm,
-      "DFlash checkpoints are Qwen3 layers with q/k norms; set qk_norm=True to export",
-    )
-  return None
 
 
 def _copy_tokenizer(tokenizer_path: str, checkpoint_dir: str, out: str) -> list[str]:

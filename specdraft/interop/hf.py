@@ -481,16 +481,46 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
   }
 
 
+def export_problem(kind: str, n_taps: int, mask_token_id: int = -1, qk_norm: bool = False):
+  """(config field, value, why) when a draft of these settings has no serving checkpoint format
+  (config validation reports it before any work; the writers below raise it), else None."""
+  if kind == "eagle3" and n_taps != 3:
+    return (
+      "model.tap_layers",
+      n_taps,
+      "an EAGLE-3 checkpoint fuses exactly 3 tapped layers (fc is [E, 3E]); set 3 tap layers",
+    )
+  if kind == "dspark":
+    return ("draft.kind", kind, "DSpark's Markov head has no public checkpoint format")
+  if kind == "dflash" and mask_token_id < 0:
+    return (
+      "draft.block.mask_token_id",
+      mask_token_id,
+      "a DFlash checkpoint embeds MASK as the target's embedding row of a token id, not a "
+      "learned vector; train with draft.block.mask_token_id set to a token id of the policy",
+    )
+  if kind == "dflash" and not qk_norm:
+    return (
+      "draft.block.qk_norm",
+      qk_norm,
+      "DFlash checkpoints are Qwen3 layers with q/k norms; train with draft.block.qk_norm=True",
+    )
+  return None
+
+
+def _raise_export_problem(*args) -> None:
+  problem = export_problem(*args)
+  if problem is not None:
+    field, value, why = problem
+    raise ValueError(f"{field}={value!r}: {why}")
+
+
 def save_eagle3(path: str, dcfg, dparams, pcfg: pol.PolicyConfig, *, dtype=np.float32, **config):
   """Writes a trained EAGLE-3 draft (model/eagle3.py) as an EAGLE-3 checkpoint: config.json and
   model.safetensors with the names and shapes of `EAGLE3_TENSORS`. With the whole target
   vocabulary d2t is all zeros and t2d all true; with a reduced one (`dcfg.vocab_ids`), draft id
   i is target id i + d2t[i] and t2d marks the target ids the draft covers."""
-  if dcfg.n_taps != 3:
-    raise ValueError(
-      f"an EAGLE-3 checkpoint fuses exactly 3 tapped layers (fc is [E, 3E]); this draft taps "
-      f"{dcfg.n_taps} (policy tap_layers {pcfg.taps})"
-    )
+  _raise_export_problem("eagle3", dcfg.n_taps)
   E, H, K, D = dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim
   d = {k: np.asarray(jax.device_get(v), np.float32) for k, v in dparams.items()}
   known = {"fc", "embed_norm", "hidden_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate"}
@@ -564,22 +594,11 @@ def dflash_tensors(n_layers: int) -> dict[str, tuple[str, ...]]:
 
 
 def _check_dflash_exportable(dcfg) -> None:
-  if dcfg.kind != "dflash":
-    raise ValueError(
-      f"draft.kind={dcfg.kind!r}: only DFlash drafts export to the DFlash format (DSpark's "
-      "Markov head has no public checkpoint format); expected 'dflash'"
-    )
-  if dcfg.mask_token_id < 0:
-    raise ValueError(
-      "draft.block.mask_token_id=-1: this draft learned its own MASK vector, which a DFlash "
-      "checkpoint cannot hold (serving embeds MASK with the target's embedding row of "
-      "mask_token_id); train with draft.block.mask_token_id set to a token id of the policy"
-    )
-  if not dcfg.qk_norm:
-    raise ValueError(
-      "draft.block.qk_norm=False: DFlash checkpoints are Qwen3 layers with q/k norms, which "
-      "this draft does not have; train with draft.block.qk_norm=True"
-    )
+  kind = getattr(dcfg, "kind", "eagle3")
+  if kind != "dflash":
+    _raise_export_problem(kind, dcfg.n_taps)  # DSpark: named as such
+    raise ValueError(f"draft.kind={kind!r}: only DFlash drafts export to the DFlash format")
+  _raise_export_problem(kind, dcfg.n_taps, dcfg.mask_token_id, dcfg.qk_norm)
 
 
 def dflash_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):

@@ -113,7 +113,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   # Before any work: the config's values, then that a resumed workdir is the same run.
   config_lib.validate(config)
   check_and_record_config(config, workdir)
-  ctx = Context(config, workdir)
+  ctx = Context(config, workdir, validated=True)
   stop = dict([stop_after]) if stop_after else {}
   # Wall seconds of each phase in this invocation (a phase resumed as complete costs ~0).
   phase_seconds = {}
