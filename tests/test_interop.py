@@ -47,15 +47,32 @@ def _save_llama(path, *, tie=False, shard=False, family="llama", **kw):
   return model
 
 
-@pytest.fixture(scope="module", params=["llama-untied-sharded", "llama-tied", "qwen2", "qwen3"])
+# RoPE scalings as checkpoints state them, with the pretraining length (32) well inside the test
+# rows' reach so that every rule changes some frequencies: linear (Llama 2 long), llama3
+# (Llama 3.1+; head dims 0 kept, 1 blended, 2+ divided) and YaRN (Qwen2.5 / Qwen3 long context,
+# with its attention factor)
+SCALINGS = {
+  "linear": {"rope_type": "linear", "factor": 2.0},
+  "llama3": {
+    "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+  },
+  "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+}  # fmt: skip
+
+
+@pytest.fixture(
+  scope="module",
+  params=[
+    "llama-untied-sharded", "llama-tied", "qwen2", "qwen3", "llama-linear", "llama-llama3",
+    "qwen3-yarn",
+  ],
+)  # fmt: skip
 def llama(request, tmp_path_factory):
   path = tmp_path_factory.mktemp(request.param)
-  model = _save_llama(
-    path,
-    tie=request.param == "llama-tied",
-    shard="sharded" in request.param,
-    family=request.param.split("-")[0],
-  )
+  family, _, variant = request.param.partition("-")
+  kw = {"rope_scaling": SCALINGS[variant]} if variant in SCALINGS else {}
+  model = _save_llama(path, tie=variant == "tied", shard="sharded" in variant, family=family, **kw)
   pcfg, params = hf.load_policy(str(path))
   return path, model, pcfg, params
 
@@ -79,6 +96,28 @@ def test_config_and_checkpoint_files(llama):
   assert pcfg.tie_embeddings == model.config.tie_word_embeddings
   family = model.config.model_type
   assert (pcfg.qkv_bias, pcfg.qk_norm) == (family == "qwen2", family == "qwen3")
+  kind = (model.config.rope_parameters or {}).get("rope_type", "default")
+  assert (pcfg.rope_scaling.kind if pcfg.rope_scaling else "default") == kind
+
+
+def test_rope_scaling_frequencies_equal_transformers():
+  """Each scaling's inverse frequencies and attention factor against transformers' own
+  (ROPE_INIT_FUNCTIONS), at a pretraining length that puts dimensions in every regime."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  for name, spec in SCALINGS.items():
+    for extra in ({}, {"beta_fast": 16.0, "attention_factor": 1.3}) if name == "yarn" else ({},):
+      spec = {**spec, **extra}
+      cfg = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, rope_theta=5000.0, max_position_embeddings=128,
+        rope_scaling=spec,
+      )  # fmt: skip
+      want_inv, want_att = ROPE_INIT_FUNCTIONS[spec["rope_type"]](cfg, "cpu")
+      sc = hf.rope_scaling_of(json.loads(cfg.to_json_string()), None)
+      got = pol.rope_inv_freq(16, 5000.0, sc)
+      np.testing.assert_allclose(got, want_inv.double().numpy(), rtol=1e-6, err_msg=name)
+      assert sc.attention_factor == pytest.approx(want_att, rel=1e-9), name
+      assert hf.rope_scaling_of({"rope_scaling": hf.rope_scaling_json(sc)}, None) == sc
 
 
 def test_logits_equal_transformers_on_unpacked_rows(llama):
@@ -168,7 +207,10 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match=what):
       hf.read_config(str(path))
   for field, value in (
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 8.0}),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 0.5}),
+    ("partial_rotary_factor", 0.5),
     ("use_sliding_window", True),
     ("attention_bias", True),
   ):
@@ -179,9 +221,14 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(tmp_path):
 
 @pytest.mark.parametrize(
   "tie,extra",
-  [(False, {}), (True, {}), (False, {"qkv_bias": True}), (True, {"qk_norm": True})],
-  ids=["llama-untied", "llama-tied", "qwen2", "qwen3"],
-)
+  [
+    (False, {}), (True, {}), (False, {"qkv_bias": True}), (True, {"qk_norm": True}),
+    (False, {"rope_scaling": pol.RopeScaling("llama3", 4.0, original_max_position_embeddings=8)}),
+    (True, {"qk_norm": True, "rope_scaling": pol.RopeScaling(
+      "yarn", 4.0, original_max_position_embeddings=8, attention_factor=1.2)}),
+  ],
+  ids=["llama-untied", "llama-tied", "qwen2", "qwen3", "llama-llama3", "qwen3-yarn"],
+)  # fmt: skip
 def test_exported_policy_loads_in_transformers_with_the_same_logits(tmp_path, tie, extra):
   """The reverse direction: a policy of ours written by save_policy is read by transformers'
   from_pretrained (the reference implementation of its family) and computes our logits; and

@@ -15,14 +15,15 @@ Conventions, checked against `transformers` by tests/test_interop.py:
   [H*D, E] -> wq [E, H, D], o_proj [E, H*D] -> wo [H, D, E], gate/up [F, E] -> [E, F], down
   [E, F] -> [F, E]; decoder layers are stacked on a leading layer axis.
 - RoPE: HF Llama rotates halves (`rotate_half`), the policy's convention (policy.rope), so q and
-  k need no permutation; theta from `rope_theta`. RoPE scaling is not implemented and refused.
+  k need no permutation; theta from `rope_theta`; linear, llama3 and YaRN scaling from
+  `rope_scaling` / `rope_parameters` (`policy.RopeScaling`), other kinds refused.
 - RMSNorm: y = w * x / sqrt(mean(x^2) + eps) in float32, eps from `rms_norm_eps`.
 - `tie_word_embeddings`: a tied model has no lm_head tensor (the head is embed^T).
 - Qwen2: biases on q/k/v (not o) -> bq [H, D], bk/bv [K, D] (`PolicyConfig.qkv_bias`).
 - Qwen3: RMSNorm of each q and k head (over D) before RoPE -> q_norm/k_norm [D]
   (`PolicyConfig.qk_norm`), no biases.
-Sliding-window attention, attention biases on o_proj and RoPE scaling are refused, naming the
-field.
+Sliding-window attention, attention biases on o_proj, partial rotary factors and RoPE scalings
+other than linear, llama3 and YaRN are refused, naming the field.
 """
 
 from __future__ import annotations
@@ -151,13 +152,8 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
       refuse(field, hc[field], "the policy's output and MLP projections have no bias")
   if hc.get("use_sliding_window"):
     refuse("use_sliding_window", hc["use_sliding_window"], "full causal attention only")
-  scaling = hc.get("rope_scaling")
-  if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-    refuse("rope_scaling", scaling, "plain RoPE only (rope_scaling null or default)")
   params = hc.get("rope_parameters") or {}  # newer configs keep theta here
   theta = hc.get("rope_theta", params.get("rope_theta", 10000.0))
-  if params.get("rope_type") not in (None, "default"):
-    refuse("rope_parameters", params, "plain RoPE only (rope_type default)")
   heads = hc["num_attention_heads"]
   kw: dict[str, Any] = dict(
     vocab_size=hc["vocab_size"],
@@ -168,6 +164,7 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     head_dim=hc.get("head_dim") or hc["hidden_size"] // heads,
     d_ff=hc["intermediate_size"],
     rope_theta=float(theta),
+    rope_scaling=rope_scaling_of(hc, refuse),
     norm_eps=float(hc.get("rms_norm_eps", 1e-6)),
     tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
     init_std=float(hc.get("initializer_range", 0.02)),
@@ -181,6 +178,77 @@ def read_config(path: str, **overrides) -> pol.PolicyConfig:
     kw["stop_ids"] = tuple(i for i in stops if i != overrides["eos_id"])  # the rest still stop
   kw.update(overrides)
   return pol.PolicyConfig(**kw)
+
+
+def rope_scaling_of(hc: dict, refuse) -> pol.RopeScaling | None:
+  """The RoPE scaling of a config.json: `rope_scaling` (older files) or `rope_parameters`
+  (newer), rope_type linear, llama3 or yarn (None for default). The pretraining length is the
+  config's `original_max_position_embeddings`, else the scaling's, else `max_position_embeddings`;
+  YaRN's factor defaults to max / original and its attention factor to 0.1 ln(factor) + 1 (or
+  the ratio of the mscale terms when both are given), as `transformers` reads them. Other
+  kinds (dynamic NTK, longrope, ...) and partial rotary factors are refused by `refuse`."""
+  field = "rope_scaling" if hc.get("rope_scaling") else "rope_parameters"
+  spec = hc.get(field) or {}
+  partial = spec.get("partial_rotary_factor", hc.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    refuse("partial_rotary_factor", partial, "RoPE over the whole head (1.0)")
+  kind = spec.get("rope_type", spec.get("type")) or "default"
+  if kind == "default":
+    return None
+  if kind not in pol.RopeScaling.KINDS:
+    refuse(field, spec, f"rope_type default or one of {pol.RopeScaling.KINDS}")
+  orig = (
+    hc.get("original_max_position_embeddings")
+    or spec.get("original_max_position_embeddings")
+    or hc.get("max_position_embeddings")
+    or 0
+  )
+  factor = spec.get("factor")
+  if factor is None and kind == "yarn" and orig:
+    factor = hc.get("max_position_embeddings", orig) / orig
+  if factor is None:
+    refuse(field, spec, f"rope_type {kind} needs a factor")
+  kw: dict[str, Any] = dict(kind=kind, factor=float(factor))
+  if kind != "linear":  # (linear scaling has no pretraining length)
+    kw["original_max_position_embeddings"] = int(orig)
+  if kind == "llama3":
+    kw.update(
+      low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
+      high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
+    )
+  if kind == "yarn":
+    mscale = lambda scale, m=1.0: 0.1 * m * np.log(scale) + 1.0 if scale > 1 else 1.0
+    att = spec.get("attention_factor")
+    if att is None:
+      m, m_all = spec.get("mscale"), spec.get("mscale_all_dim")
+      att = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    kw.update(
+      beta_fast=float(spec.get("beta_fast") or 32.0),
+      beta_slow=float(spec.get("beta_slow") or 1.0),
+      attention_factor=float(att),
+      truncate=bool(spec.get("truncate", True)),
+    )
+  try:
+    return pol.RopeScaling(**kw)
+  except ValueError as e:
+    refuse(field, spec, str(e))
+
+
+def rope_scaling_json(sc: pol.RopeScaling | None) -> dict | None:
+  """config.json's `rope_scaling` for `sc` (what `rope_scaling_of` reads back)."""
+  if sc is None:
+    return None
+  out: dict[str, Any] = {"rope_type": sc.kind, "factor": sc.factor}
+  if sc.kind != "linear":
+    out["original_max_position_embeddings"] = sc.original_max_position_embeddings
+  if sc.kind == "llama3":
+    out.update(low_freq_factor=sc.low_freq_factor, high_freq_factor=sc.high_freq_factor)
+  if sc.kind == "yarn":
+    out.update(
+      beta_fast=sc.beta_fast, beta_slow=sc.beta_slow, attention_factor=sc.attention_factor,
+      truncate=sc.truncate,
+    )  # fmt: skip
+  return out
 
 
 def checkpoint_stop_ids(path: str) -> list[int]:
@@ -380,7 +448,7 @@ def hf_config(cfg: pol.PolicyConfig, *, dtype=np.float32) -> dict:
     "hidden_act": "silu",
     "rms_norm_eps": cfg.norm_eps,
     "rope_theta": cfg.rope_theta,
-    "rope_scaling": None,
+    "rope_scaling": rope_scaling_json(cfg.rope_scaling),
     "attention_bias": False,
     "mlp_bias": False,
     "use_sliding_window": False,
@@ -455,7 +523,7 @@ def _draft_layer_fields(dcfg, pcfg: pol.PolicyConfig, n_layers: int, dtype, max_
     "hidden_act": "silu",
     "rms_norm_eps": dcfg.norm_eps,
     "rope_theta": dcfg.rope_theta,
-    "rope_scaling": None,
+    "rope_scaling": rope_scaling_json(dcfg.rope_scaling),
     "max_position_embeddings": max_positions,
     "vocab_size": pcfg.vocab_size,
     "tie_word_embeddings": False,

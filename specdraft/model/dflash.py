@@ -64,6 +64,7 @@ class BlockDraftConfig:
   mask_token_id: int = -1  # -1: a learned mask embedding; else the policy's row of this id
   qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (context keys too)
   rope_theta: float = 10000.0
+  rope_scaling: pol.RopeScaling | None = None  # the policy's
   norm_eps: float = 1e-6
   init_std: float = 0.02
   dtype: str = "float32"
@@ -123,6 +124,7 @@ class BlockDraftConfig:
       mask_token_id=int(block.get("mask_token_id", -1)),
       qk_norm=bool(block.get("qk_norm", False)),
       rope_theta=pcfg.rope_theta,
+      rope_scaling=pcfg.rope_scaling,
       norm_eps=pcfg.norm_eps,
       dtype=pcfg.dtype,
     )
@@ -220,7 +222,7 @@ def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
   v = jnp.einsum("bse,ekd->bskd", ctx_BSE, lp["wv"].astype(dt))
   if "k_norm" in lp:
     k = pol.rms_norm(k, lp["k_norm"], cfg.norm_eps)
-  return pol.rope(k, positions_BS, cfg.rope_theta), v
+  return pol.rope(k, positions_BS, cfg.rope_theta, cfg.rope_scaling), v
 
 
 def _block_qkv(lp, h_BSWE, positions_BSW, cfg: BlockDraftConfig):

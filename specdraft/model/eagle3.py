@@ -38,6 +38,7 @@ class DraftConfig:
   head_dim: int = 32
   d_ff: int = 384
   rope_theta: float = 10000.0
+  rope_scaling: pol.RopeScaling | None = None  # the policy's
   norm_eps: float = 1e-6
   ttt_steps: int = 7
   ttt_decay: float = 0.8
@@ -77,6 +78,7 @@ class DraftConfig:
       head_dim=pick("head_dim"),
       d_ff=pick("d_ff"),
       rope_theta=pcfg.rope_theta,
+      rope_scaling=pcfg.rope_scaling,
       norm_eps=pcfg.norm_eps,
       ttt_steps=draft_cfg.ttt_steps,
       ttt_decay=draft_cfg.ttt_decay,
@@ -142,7 +144,12 @@ def _qkv(dp, embed_table, feat_BTE, tokens_BT, positions_BT, cfg: DraftConfig):
   q = jnp.einsum("bte,ehd->bthd", x, dp["wq"].astype(dt))
   k = jnp.einsum("bte,ekd->btkd", x, dp["wk"].astype(dt))
   v = jnp.einsum("bte,ekd->btkd", x, dp["wv"].astype(dt))
-  return (pol.rope(q, positions_BT, cfg.rope_theta), pol.rope(k, positions_BT, cfg.rope_theta), v)
+  sc = cfg.rope_scaling
+  return (
+    pol.rope(q, positions_BT, cfg.rope_theta, sc),
+    pol.rope(k, positions_BT, cfg.rope_theta, sc),
+    v,
+  )
 
 
 def _finish(dp, feat_BTE, o_BTHD, cfg: DraftConfig):

@@ -12,15 +12,86 @@ D head dim, F MLP width, V vocabulary, L layers, N taps, C cache capacity.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from specdraft.attention import reference, ring
 
 Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling for context extension (the rule of `rope_inv_freq`):
+
+  - linear: every frequency divided by `factor` (position interpolation);
+  - llama3: wavelengths longer than original / low_freq_factor divided by `factor`, shorter than
+    original / high_freq_factor kept, and the band between blended smoothly;
+  - yarn: per-dimension blend of interpolated (/factor) and original frequencies over the
+    correction range set by `beta_fast` / `beta_slow` rotations at the original length, and
+    cos/sin multiplied by `attention_factor` (so attention logits by its square).
+  `original_max_position_embeddings` is the pretraining length (llama3, yarn)."""
+
+  kind: str
+  factor: float
+  original_max_position_embeddings: int = 0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float = 1.0
+  truncate: bool = True
+
+  KINDS = ("linear", "llama3", "yarn")
+
+  def __post_init__(self):
+    if self.kind not in self.KINDS:
+      raise ValueError(f"rope scaling kind={self.kind!r}; expected one of {self.KINDS}")
+    if not self.factor > 0:
+      raise ValueError(f"rope scaling factor={self.factor!r}; expected > 0")
+    if self.kind != "linear" and self.original_max_position_embeddings <= 0:
+      raise ValueError(
+        f"rope scaling {self.kind} needs original_max_position_embeddings > 0, got "
+        f"{self.original_max_position_embeddings!r}"
+      )
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(
+        f"rope scaling llama3: high_freq_factor={self.high_freq_factor} must exceed "
+        f"low_freq_factor={self.low_freq_factor}"
+      )
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """The D/2 inverse frequencies of RoPE (float64, static) under `scaling` (None: plain)."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is None:
+    return inv
+  f = scaling.factor
+  if scaling.kind == "linear":
+    return inv / f
+  orig = scaling.original_max_position_embeddings
+  if scaling.kind == "llama3":
+    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = np.clip((orig / wavelen - lo) / (hi - lo), 0.0, 1.0)  # 0: long waves, 1: short
+    return (1 - smooth) * inv / f + smooth * inv
+  # yarn: dimension d completes orig / (2 pi base^(2d/D)) rotations over the original length;
+  # dims with more than beta_fast rotations keep their frequency, fewer than beta_slow are
+  # interpolated, and a linear ramp between
+  dim_of = lambda rot: head_dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+  lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+  if scaling.truncate:
+    lo, hi = math.floor(lo), math.ceil(hi)
+  lo, hi = max(lo, 0), min(hi, head_dim - 1)
+  hi = hi + 0.001 if lo == hi else hi
+  ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)
+  keep = 1.0 - ramp  # weight of the original frequency
+  return inv / f * (1 - keep) + inv * keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +104,7 @@ class PolicyConfig:
   head_dim: int = 32
   d_ff: int = 384
   rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None  # None: plain RoPE
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
   qkv_bias: bool = False  # q/k/v projection biases (Qwen2)
@@ -171,12 +243,18 @@ def rms_norm(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD, positions_BT, theta):
-  """Rotary embedding (half-split convention) at caller-supplied positions."""
+def rope(x_BTHD, positions_BT, theta, scaling: RopeScaling | None = None):
+  """Rotary embedding (half-split convention) at caller-supplied positions, with the
+  frequencies of `scaling` (`rope_inv_freq`; None: plain RoPE)."""
   D = x_BTHD.shape[-1]
-  freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
+  if scaling is None:
+    freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
+  else:
+    freqs = jnp.asarray(rope_inv_freq(D, theta, scaling), jnp.float32)
   ang = positions_BT.astype(jnp.float32)[..., None] * freqs  # [B,T,D/2]
   sin, cos = jnp.sin(ang)[:, :, None, :], jnp.cos(ang)[:, :, None, :]
+  if scaling is not None and scaling.attention_factor != 1.0:
+    sin, cos = sin * scaling.attention_factor, cos * scaling.attention_factor
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)
@@ -195,7 +273,8 @@ def qkv(lp, x_BTE, positions_BT, cfg: PolicyConfig):
     q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
   if "q_norm" in lp:
     q, k = rms_norm(q, lp["q_norm"], cfg.norm_eps), rms_norm(k, lp["k_norm"], cfg.norm_eps)
-  return rope(q, positions_BT, cfg.rope_theta), rope(k, positions_BT, cfg.rope_theta), v
+  sc = cfg.rope_scaling
+  return rope(q, positions_BT, cfg.rope_theta, sc), rope(k, positions_BT, cfg.rope_theta, sc), v
 
 
 def attn_out_and_mlp(lp, x_BTE, o_BTHD, cfg: PolicyConfig):
