@@ -104,7 +104,11 @@ _FAST = {"fsdp4_tp2", "pp2_tp2_dp2"}
 def test_every_layout_cotrain_step_equals_single_device(name, smoke):
   """Every named layout (a new one is tested by being named in LAYOUTS): the co-training loss,
   gradient norms and every gradient leaf, relative to its norm, equal the single-device step's."""
-  c, s, trainable, (m1, g1) = smoke
+  _assert_layout_equals_single(name, *smoke[1:])
+
+
+def _assert_layout_equals_single(name, s, trainable, reference):
+  m1, g1 = reference
   lay = cl.make_layout(name, cl.named_parallel(name))
   m2, g2 = cl.cotrain_grads(s, lay, trainable)
   assert float(m1["draft_loss"]) > 0 and float(m1["draft_grad_norm"]) > 0
@@ -113,6 +117,32 @@ def test_every_layout_cotrain_step_equals_single_device(name, smoke):
   tol.assert_grads_close(g2, g1, rtol=1e-4, err=name)
   p = cl.parity_figures((m2, g2), (m1, g1), rtol=1e-4)
   assert p["passed"] and p["max_grad_rel_diff"] <= 1e-4
+
+
+_BLOCK_REFERENCES = {}
+
+
+@pytest.mark.parametrize(
+  "kind,name",
+  [
+    ("dflash", "pp2_tp2_dp2"),  # the block draft on the last stage, its heads split
+    pytest.param("dflash", "tp2_cp2_dp2", marks=pytest.mark.slow),  # block queries on the ring
+    pytest.param("dspark", "pp2_cp2_dp2", marks=pytest.mark.slow),
+    pytest.param("dspark", "fsdp4_tp2", marks=pytest.mark.slow),
+  ],
+)
+def test_block_draft_cotrain_step_equals_single_device_across_layouts(kind, name):
+  """The comparison runs block drafts too (config.draft.kind): their co-training step under a
+  layout equals the single-device step, as EAGLE-3's does."""
+  if kind not in _BLOCK_REFERENCES:
+    c = compare_config.get_config("smoke")
+    c.draft.kind = kind
+    s = cl.make_setup(c)
+    assert type(s.dcfg).__name__ == "BlockDraftConfig" and s.dcfg.kind == kind
+    trainable = cl.initial_trainable(s)
+    single = cl.make_layout("single", cl.named_parallel("single"))
+    _BLOCK_REFERENCES[kind] = (s, trainable, cl.cotrain_grads(s, single, trainable))
+  _assert_layout_equals_single(name, *_BLOCK_REFERENCES[kind])
 
 
 def test_parity_figures_catch_a_wrong_gradient(smoke):

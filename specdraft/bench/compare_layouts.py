@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from specdraft import config as config_lib
 from specdraft.bench import hlo, provenance
 from specdraft.bench.step_time import synthetic_batch
-from specdraft.model import eagle3, pipelined
+from specdraft.model import drafts, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts
 from specdraft.parallel import mesh as mesh_lib
@@ -108,7 +108,7 @@ class Setup:
   """What every layout shares: model configs, optimizers, the compute knobs, the host batch."""
 
   pcfg: pol.PolicyConfig
-  dcfg: eagle3.DraftConfig
+  dcfg: drafts.DraftConfig  # any kind (config.draft.kind)
   rl_cfg: ml_collections.ConfigDict
   cotrain_tx: optax.GradientTransformation
   sft_tx: optax.GradientTransformation
@@ -122,7 +122,7 @@ def make_setup(config, *, model=None, batch_size=None, seq_len=None, host_batch=
   # the run's character vocabulary unless the model names its own (the plan's)
   vocab = int(model.get("vocab_size", 0)) or CharTokenizer().vocab_size
   pcfg = pol.PolicyConfig.from_config(model, vocab)
-  dcfg = eagle3.DraftConfig.from_config(config.draft, pcfg)
+  dcfg = drafts.draft_config(config.draft, pcfg, num_draft=int(config.decode.num_draft))
   cmp = config.compare
   B = int(cmp.batch_size if batch_size is None else batch_size)
   S = int(cmp.seq_len if seq_len is None else seq_len)
@@ -175,7 +175,7 @@ def _replicated(lay: Layout) -> NamedSharding:
 
 def _init_cotrain(s: Setup):
   theta = pol.init_params(s.pcfg, 0)
-  tr = {"policy": theta, "draft": eagle3.init_params(s.dcfg, 1, theta, s.pcfg)}
+  tr = {"policy": theta, "draft": drafts.init_params(s.dcfg, 1, theta, s.pcfg)}
   return {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": s.cotrain_tx.init(tr)}
 
 

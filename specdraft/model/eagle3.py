@@ -66,7 +66,8 @@ class DraftConfig:
     if kind != "eagle3":
       raise ValueError(
         f"config.draft.kind={kind!r}: this program builds an EAGLE-3 draft only; block drafts "
-        "run through experiments/train.py, long_run.py and bench_drafts.py (model/drafts.py)"
+        "run through experiments/train.py, long_run.py, bench_drafts.py and compare_layouts.py"
+        " (model/drafts.py)"
       )
     pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
     return cls(
