@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft.bench import provenance
 from specdraft.bench.cp_memory import cp_mesh
-from specdraft.model import eagle3
+from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
@@ -34,7 +34,7 @@ from specdraft.train import step as step_lib
 def _configs(config):
   b = config.bench_long
   pcfg = pol.PolicyConfig.from_config(b.model, int(b.model.vocab_size))
-  dcfg = eagle3.DraftConfig.from_config(config.draft, pcfg)
+  dcfg = drafts.draft_config(config.draft, pcfg, num_draft=int(config.decode.num_draft))
   return pcfg, dcfg
 
 
@@ -43,7 +43,7 @@ def _abstract_state(pcfg, dcfg, tx, sharding):
 
   def init():
     theta = pol.init_params(pcfg, 0)
-    tr = {"policy": theta, "draft": eagle3.init_params(dcfg, 1, theta, pcfg)}
+    tr = {"policy": theta, "draft": drafts.init_params(dcfg, 1, theta, pcfg)}
     return {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
 
   shapes = jax.eval_shape(init)
@@ -146,10 +146,10 @@ def measure_time(config) -> dict:
   """Step time of the small model, cp = 1 against cp = max (interleaved repeats, median)."""
   t = config.bench_long.timing
   pcfg = pol.PolicyConfig.from_config(t.model, int(t.model.vocab_size))
-  dcfg = eagle3.DraftConfig.from_config(config.draft, pcfg)
+  dcfg = drafts.draft_config(config.draft, pcfg, num_draft=int(config.decode.num_draft))
   tx = step_lib.make_cotrain_optimizer(config.rl, config.draft)
   theta = pol.init_params(pcfg, 0)
-  tr = {"policy": theta, "draft": eagle3.init_params(dcfg, 1, theta, pcfg)}
+  tr = {"policy": theta, "draft": drafts.init_params(dcfg, 1, theta, pcfg)}
   rng = np.random.default_rng(0)
   S = t.tokens
   batch = {

@@ -19,7 +19,7 @@ import numpy as np
 from specdraft.bench import hlo as hlo_lib
 from specdraft.bench import provenance
 from specdraft.bench.step_time import synthetic_batch
-from specdraft.model import eagle3, pipelined
+from specdraft.model import drafts, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts
 from specdraft.parallel import mesh as mesh_lib
@@ -46,9 +46,9 @@ def _setup(config, case):
   model = config.model.copy_and_resolve_references()
   model.tap_layers = tuple(case["taps"])
   pcfg = pol.PolicyConfig.from_config(model, 99)
-  dcfg = eagle3.DraftConfig.from_config(config.draft, pcfg)
+  dcfg = drafts.draft_config(config.draft, pcfg, num_draft=int(config.decode.num_draft))
   theta = pol.init_params(pcfg, 0)
-  dparams = eagle3.init_params(dcfg, 1, theta, pcfg)
+  dparams = drafts.init_params(dcfg, 1, theta, pcfg)
   batch = synthetic_batch(case["batch"], case["seq_len"], pcfg.vocab_size)
   return pcfg, dcfg, {"policy": theta, "draft": dparams}, batch
 
