@@ -27,7 +27,9 @@ def get_config(arg: str | None = None):
   c.bench = dict(
     kinds=("dflash", "dspark", "dspark:markov_rank=0")
     if arg.markov
-    else ("eagle3", "dflash", "dspark"),
+    # the last entry is the anchor-slot ablation (its residual at the token's embedding, which
+    # the tied head reads back as that token; DSpark's default starts it at MASK)
+    else ("eagle3", "dflash", "dspark", "dspark:anchor_residual=token"),
     batch_sizes=(1, 4) if arg.smoke else (1, 8, 32, 128),
     num_draft=G,
     temperature=1.0,

@@ -158,6 +158,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         l1_weight=0.0,
         mask_token_id=-1,
         qk_norm=False,
+        # the anchor slot's residual: "token" (its embedding) or "mask" (the MASK vector; the
+        # token enters through the first layer's q/k/v, as EAGLE-3's embedding does); "" = the
+        # kind's default (dspark: mask, its anchor slot proposes; dflash: token)
+        anchor_residual="",
       ),
     )
   )  # the draft's branch attention follows the layout: the ring over parallel.mesh.cp

@@ -266,6 +266,13 @@ def _validate_block_draft(config, vocab_size: int) -> None:
     )
   if bl.gamma <= 0:
     _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
+  if bl.get("anchor_residual", "") not in ("", "token", "mask"):
+    _fail(
+      "draft.block.anchor_residual",
+      bl.anchor_residual,
+      "must be 'token' (the anchor slot's residual starts at its embedding), 'mask' (at the MASK "
+      "vector) or '' (the kind's default: mask for dspark, token for dflash)",
+    )
   if config.draft.kind == "dspark":
     if bl.markov_rank < 0:
       _fail(
@@ -325,8 +332,9 @@ def _validate_export(config, pcfg, tok) -> None:
   dr = config.draft
   bl = dr.get("block", {})
   problem = hf.export_problem(
-    dr.get("kind", "eagle3"), len(taps), bl.get("mask_token_id", -1), bl.get("qk_norm", False)
-  )
+    dr.get("kind", "eagle3"), len(taps), bl.get("mask_token_id", -1), bl.get("qk_norm", False),
+    bl.get("anchor_residual", ""),
+  )  # fmt: skip
   if problem is not None:
     field, value, why = problem
     _fail(field, value, f"export.dir={ex.dir!r} asks for a serving checkpoint, but {why}")

@@ -2,6 +2,7 @@
 (one device, and under context parallelism through the ring), train/inference consistency of the
 block pass, and the co-training contract (no cross-gradients, lambda = 0 is RL-only)."""
 
+import dataclasses
 import functools
 
 import _tolerance as tol
@@ -259,7 +260,10 @@ def test_block_pass_at_inference_equals_the_training_block(setup):
   """The decoding path (context written into the draft's cache from the policy's taps, cache
   length n, one block pass anchored at n) gives the hidden states the training path computes for
   the block anchored at n, with anchors differing per row (n = 0: no context at all)."""
-  _, pcfg, dcfg, tr = setup
+  _assert_inference_block_equals_training(*setup[1:])
+
+
+def _assert_inference_block_equals_training(pcfg, dcfg, tr):
   B, S = 2, 12
   rng = np.random.default_rng(2)
   tokens = jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32)
@@ -285,6 +289,45 @@ def test_block_pass_at_inference_equals_the_training_block(setup):
       np.testing.assert_allclose(
         h[b], train_h[b, n[b]], rtol=1e-5, atol=1e-5, err_msg=f"row {b} anchor {n[b]}"
       )
+
+
+def test_anchor_residual_mask_starts_the_anchor_slot_at_the_mask_vector():
+  """`anchor_residual="mask"`: with the layer's outputs zeroed the anchor slot's hidden state is
+  the MASK vector ("token": the anchor's embedding), its token still reaches the block through
+  the first layer's keys and values, and the inference pass equals the training pass."""
+  c, pcfg, _, tr = _setup("dspark", n_layers=1)
+  c.draft.block.anchor_residual = "mask"
+  dcfg = drafts.draft_config(c.draft, pcfg)
+  B, S = 1, 6
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.integers(3, 99, (B, S)), jnp.int32)
+  pos = jnp.arange(S, dtype=jnp.int32)[None]
+  seg = jnp.ones((B, S), jnp.int32)
+  taps = jnp.asarray(rng.normal(size=(len(pcfg.taps), B, S, pcfg.d_model)), jnp.float32)
+  embed = tr["policy"]["embed"]
+  hidden = lambda cfg, dp, t: dflash.block_hidden(
+    dp, cfg, embed, taps, t, pos, attend=dflash.attend_dense(seg)
+  )
+  silent = dict(tr["draft"], layers=dict(tr["draft"]["layers"]))
+  for k in ("wo", "w_down"):
+    silent["layers"][k] = jnp.zeros_like(silent["layers"][k])
+  mask_h = hidden(dcfg, silent, tokens)[0, :, 0]
+  np.testing.assert_allclose(mask_h, np.broadcast_to(silent["mask_embed"], mask_h.shape))
+  token_cfg = dataclasses.replace(dcfg, anchor_residual="token")
+  np.testing.assert_allclose(hidden(token_cfg, silent, tokens)[0, :, 0], embed[tokens[0]])
+  # the anchor token still matters, through attention: another token changes every slot
+  other = tokens.at[0, 2].set((tokens[0, 2] + 1 - 3) % 96 + 3)
+  h, h2 = hidden(dcfg, tr["draft"], tokens), hidden(dcfg, tr["draft"], other)
+  assert np.all(np.abs(np.asarray(h2[0, 2] - h[0, 2])).max(-1) > 1e-4)
+  np.testing.assert_array_equal(h2[0, :2], h[0, :2])  # earlier anchors do not see it
+  _assert_inference_block_equals_training(pcfg, dcfg, tr)
+  with pytest.raises(ValueError, match=r"anchor_residual='both'"):
+    dataclasses.replace(dcfg, anchor_residual="both")
+  c.draft.block.anchor_residual = "both"
+  from specdraft import config as config_lib
+
+  with pytest.raises(ValueError, match=r"draft\.block\.anchor_residual"):
+    config_lib.validate(c)
 
 
 def _decode_models(kind):

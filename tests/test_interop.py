@@ -547,6 +547,7 @@ def test_exported_dflash_draft_matches_the_public_definition(tmp_path):
     (dict(kind="dspark"), r"draft\.kind='dspark'"),
     (dict(mask_token_id=-1), r"draft\.block\.mask_token_id=-1"),
     (dict(qk_norm=False), r"draft\.block\.qk_norm=False"),
+    (dict(anchor_residual="mask"), r"draft\.block\.anchor_residual='mask'"),
   ],
 )
 def test_dflash_export_refuses_what_the_format_cannot_hold(tmp_path, change, field):

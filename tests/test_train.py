@@ -321,6 +321,18 @@ def test_a_resumed_workdir_refuses_a_change_to_what_the_run_is(smoke_config, tmp
     node[last] = value
     with pytest.raises(ValueError, match=rf"config\.{re.escape(field)}=.*started with"):
       loop.check_and_record_config(d, wd)
+  # a run recorded before draft.block.anchor_residual existed resumes under the value it had:
+  # '' (the default) for its EAGLE-3 draft; a DSpark run had its anchor slot at the token
+  with open(os.path.join(wd, loop.RUN_CONFIG)) as f:
+    rec = json.load(f)
+  del rec["identity"]["draft.block.anchor_residual"]
+  with open(os.path.join(wd, loop.RUN_CONFIG), "w") as f:
+    json.dump(rec, f)
+  loop.check_and_record_config(c, wd)
+  d = copy.deepcopy(c)
+  d.draft.block.anchor_residual = "mask"
+  with pytest.raises(ValueError, match=r"anchor_residual='mask' .*started with ''"):
+    loop.check_and_record_config(d, wd)
   # train_and_evaluate checks before building anything
   d = copy.deepcopy(c)
   d.seed = 7

@@ -19,6 +19,9 @@ from specdraft.tasks import loader
 from specdraft.train import loop
 
 NO_MARKOV = "dspark:markov_rank=0"  # the ablation: DSpark's backbone without its Markov head
+# the ablation of DSpark's anchor slot: its residual starting at the token's embedding (as
+# before anchor_residual existed) instead of at MASK
+ANCHOR_AT_TOKEN = "dspark:anchor_residual=token"
 
 
 def parse_variant(name: str, block_fields) -> tuple[str, dict]:
@@ -31,10 +34,11 @@ def parse_variant(name: str, block_fields) -> tuple[str, dict]:
     field, eq, value = item.partition("=")
     if not eq or field not in block_fields:
       raise ValueError(
-        f"config.bench.kinds has {name!r}: overrides are <draft.block field>=<number>, fields "
+        f"config.bench.kinds has {name!r}: overrides are <draft.block field>=<value>, fields "
         f"{sorted(block_fields)}"
       )
-    over[field] = type(block_fields[field])(float(value))
+    default = block_fields[field]
+    over[field] = value if isinstance(default, str) else type(default)(float(value))
   if kind not in KINDS or (over and kind == "eagle3"):
     raise ValueError(
       f"config.bench.kinds has {name!r}: expected a draft kind in {KINDS}, optionally with "
@@ -63,7 +67,13 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     dparams, _ = loop.draft_phase(ctx, params)
     drafts[kind] = (dparams, ctx.dcfg)
     last = ctx.log("draft_metrics.jsonl").read()[-1]
-    training[kind] = {"draft_loss": last["draft_loss"], "proposals": ctx.dcfg.ttt_steps}
+    G = ctx.dcfg.ttt_steps
+    training[kind] = {
+      "draft_loss": last["draft_loss"],
+      "proposals": G,
+      # top-1 agreement with the policy per proposal, on the last logged distillation batch
+      "ttt_acc": [last[f"ttt_acc_{g}"] for g in range(G)],
+    }
     print(f"  {kind}: distilled, draft loss {last['draft_loss']:.3f}", flush=True)
   rows = []
   for B in b.batch_sizes:
@@ -129,6 +139,10 @@ def over_batches(rows: list[dict], kinds) -> dict:
     )
   if "dspark" in kinds and "dflash" in kinds:
     out["dspark_over_dflash_tau"] = out["dspark"]["tau_mean"] / out["dflash"]["tau_mean"]
+  if "dspark" in kinds and ANCHOR_AT_TOKEN in kinds:  # the anchor slot's residual
+    out["dspark_over_anchor_at_token_tau"] = (
+      out["dspark"]["tau_mean"] / out[ANCHOR_AT_TOKEN]["tau_mean"]
+    )
   if "dspark" in kinds and NO_MARKOV in kinds:  # the Markov head's own effect
     out["dspark_over_no_markov_tau"] = out["dspark"]["tau_mean"] / out[NO_MARKOV]["tau_mean"]
   out["greedy_equal"] = all(out[k]["greedy_equal"] for k in kinds)

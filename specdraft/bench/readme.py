@@ -173,8 +173,16 @@ def _draft_table(r: dict, kinds, name) -> tuple[list, list]:
 def drafts_compare(r: dict) -> str:
   k = r["config"]
   kinds = k["kinds"]
-  header, rows = _draft_table(r, kinds, lambda kind: kind)
-  losses = ", ".join(f"{kind} {_f(r['training'][kind]['draft_loss'], 3)}" for kind in kinds)
+  name = lambda kind: (
+    "DSpark, anchor slot at its token" if kind.endswith("anchor_residual=token") else kind
+  )
+  header, rows = _draft_table(r, kinds, name)
+  losses = ", ".join(f"{name(kind)} {_f(r['training'][kind]['draft_loss'], 3)}" for kind in kinds)
+  agree = "; ".join(
+    f"{name(kind)} " + " / ".join(_f(a) for a in r["training"][kind]["ttt_acc"])
+    for kind in kinds
+    if "ttt_acc" in r["training"][kind]
+  )
   head = (
     "### Drafts: EAGLE-3, DFlash and DSpark on one policy\n\n"
     f"One SFT policy ({k['policy_layers']} layers, d={k['d_model']}, {k['sft_steps']} SFT steps); "
@@ -184,6 +192,11 @@ def drafts_compare(r: dict) -> str:
     f"{k['temperature']:g}, {k['max_new_tokens']} new tokens; AR and SD with every draft timed "
     f"side by side ({k['repeats']} repeats; speedup over AR). Final distillation losses (each "
     f"kind's own objective, not comparable across kinds): {losses}."
+    + (
+      f" Top-1 agreement with the policy per proposal on the last distillation batch: {agree}."
+      if agree
+      else ""
+    )
   )
   return head + "\n\n" + _table(header, rows)
 

@@ -549,7 +549,9 @@ def eagle3_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positio
   }
 
 
-def export_problem(kind: str, n_taps: int, mask_token_id: int = -1, qk_norm: bool = False):
+def export_problem(
+  kind: str, n_taps: int, mask_token_id: int = -1, qk_norm: bool = False, anchor_residual: str = ""
+):
   """(config field, value, why) when a draft of these settings has no serving checkpoint format
   (config validation reports it before any work; the writers below raise it), else None."""
   if kind == "eagle3" and n_taps != 3:
@@ -572,6 +574,13 @@ def export_problem(kind: str, n_taps: int, mask_token_id: int = -1, qk_norm: boo
       "draft.block.qk_norm",
       qk_norm,
       "DFlash checkpoints are Qwen3 layers with q/k norms; train with draft.block.qk_norm=True",
+    )
+  if kind == "dflash" and anchor_residual == "mask":
+    return (
+      "draft.block.anchor_residual",
+      anchor_residual,
+      "the DFlash forward starts the anchor slot's residual at its token's embedding; train "
+      "with draft.block.anchor_residual='token' (DFlash's default)",
     )
   return None
 
@@ -666,7 +675,7 @@ def _check_dflash_exportable(dcfg) -> None:
   if kind != "dflash":
     _raise_export_problem(kind, dcfg.n_taps)  # DSpark: named as such
     raise ValueError(f"draft.kind={kind!r}: only DFlash drafts export to the DFlash format")
-  _raise_export_problem(kind, dcfg.n_taps, dcfg.mask_token_id, dcfg.qk_norm)
+  _raise_export_problem(kind, dcfg.n_taps, dcfg.mask_token_id, dcfg.qk_norm, dcfg.anchor_residual)
 
 
 def dflash_config(dcfg, pcfg: pol.PolicyConfig, *, dtype=np.float32, max_positions: int = 2048):

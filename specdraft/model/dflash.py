@@ -44,6 +44,7 @@ from specdraft.model import policy as pol
 
 Params = dict[str, Any]
 KINDS = ("dflash", "dspark")
+ANCHOR_RESIDUALS = ("token", "mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,11 @@ class BlockDraftConfig:
   l1_weight: float = 0.0
   mask_token_id: int = -1  # -1: a learned mask embedding; else the policy's row of this id
   qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (context keys too)
+  # what the anchor slot's residual stream starts from: "token" (its embedding, as its q/k/v
+  # read it) or "mask" (the MASK vector, like every other slot: the token enters through the
+  # first layer's q/k/v only, so a tied head does not read the anchor back as itself). "" is
+  # the kind's default (`default_anchor_residual`).
+  anchor_residual: str = ""
   rope_theta: float = 10000.0
   rope_scaling: pol.RopeScaling | None = None  # the policy's
   norm_eps: float = 1e-6
@@ -72,6 +78,13 @@ class BlockDraftConfig:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"draft kind={self.kind!r} is not a block draft; expected one of {KINDS}")
+    if not self.anchor_residual:
+      object.__setattr__(self, "anchor_residual", default_anchor_residual(self.kind))
+    if self.anchor_residual not in ANCHOR_RESIDUALS:
+      raise ValueError(
+        f"draft.block.anchor_residual={self.anchor_residual!r}; expected one of {ANCHOR_RESIDUALS}"
+        " (or '' for the kind's default)"
+      )
 
   @property
   def compute_dtype(self):
@@ -123,11 +136,21 @@ class BlockDraftConfig:
       l1_weight=block.l1_weight,
       mask_token_id=int(block.get("mask_token_id", -1)),
       qk_norm=bool(block.get("qk_norm", False)),
+      anchor_residual=str(block.get("anchor_residual", "")),
       rope_theta=pcfg.rope_theta,
       rope_scaling=pcfg.rope_scaling,
       norm_eps=pcfg.norm_eps,
       dtype=pcfg.dtype,
     )
+
+
+def default_anchor_residual(kind: str) -> str:
+  """DSpark's anchor slot is supervised (it proposes x_{t+1}): a residual that starts at the
+  token's embedding, which a tied head reads back as the token itself, pulls every proposal
+  towards repeating it (configs/bench_drafts.py measures the ablation), so DSpark starts it at
+  MASK. DFlash's anchor slot proposes nothing, and the public DFlash forward starts it at the
+  token."""
+  return "mask" if kind == "dspark" else "token"
 
 
 def block_size_for(kind: str, num_draft: int) -> int:
@@ -202,16 +225,29 @@ def context(dp: Params, taps_NBSE, cfg: BlockDraftConfig):
   return pol.rms_norm(x @ dp["fc"].astype(cfg.compute_dtype), dp["ctx_norm"], cfg.norm_eps)
 
 
+def _mask_vector(dp: Params, cfg: BlockDraftConfig, table):
+  return dp["mask_embed"] if cfg.mask_token_id < 0 else table[cfg.mask_token_id]
+
+
 def block_inputs(dp: Params, cfg: BlockDraftConfig, embed_table, anchor_tokens):
   """Embeddings of the blocks [x_anchor, MASK x (W-1)] at every anchor: [..., W, E]. MASK is the
   draft's learned vector, or the policy's embedding row of `cfg.mask_token_id` (frozen)."""
   dt = cfg.compute_dtype
   table = jax.lax.stop_gradient(embed_table)
   first = jnp.take(table, anchor_tokens, axis=0).astype(dt)
-  mask = dp["mask_embed"] if cfg.mask_token_id < 0 else table[cfg.mask_token_id]
-  rest = jnp.broadcast_to(mask.astype(dt), first.shape)
+  rest = jnp.broadcast_to(_mask_vector(dp, cfg, table).astype(dt), first.shape)
   W = cfg.block_size
   return jnp.stack([first] + [rest] * (W - 1), axis=-2)
+
+
+def first_residual(dp: Params, cfg: BlockDraftConfig, embed_table, h_WE):
+  """The residual the first layer adds its output to: the block inputs themselves, or with
+  `anchor_residual="mask"` the anchor slot's replaced by the MASK vector (its q/k/v still read
+  the token)."""
+  if cfg.anchor_residual == "token":
+    return h_WE
+  mask = _mask_vector(dp, cfg, jax.lax.stop_gradient(embed_table)).astype(h_WE.dtype)
+  return h_WE.at[..., 0, :].set(jnp.broadcast_to(mask, h_WE[..., 0, :].shape))
 
 
 def context_kv(lp, ctx_BSE, positions_BS, cfg: BlockDraftConfig):
@@ -252,7 +288,8 @@ def block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, *, at
     lp = jax.tree.map(lambda a: a[layer], dp["layers"])
     k_ctx, v_ctx = context_kv(lp, ctx, positions_BS, cfg)
     q_br, k_br, v_br = _block_qkv(lp, h, blk_pos, cfg)
-    h = _finish(lp, h, attend(k_ctx, v_ctx, q_br, k_br, v_br), cfg)
+    res = first_residual(dp, cfg, embed_table, h) if layer == 0 else h
+    h = _finish(lp, res, attend(k_ctx, v_ctx, q_br, k_br, v_br), cfg)
   return h
 
 
@@ -428,5 +465,6 @@ def propose_hidden(dp, cfg: BlockDraftConfig, embed_table, cache: BlockCache, an
     keys = jnp.concatenate([cache.k[layer], k.astype(cache.k.dtype)], axis=1)
     vals = jnp.concatenate([cache.v[layer], v.astype(cache.v.dtype)], axis=1)
     o, _ = reference.masked_attention(q, keys, vals, mask)
-    h = _finish(lp, h[:, None], o[:, None], cfg)[:, 0]
+    res = first_residual(dp, cfg, embed_table, h) if layer == 0 else h
+    h = _finish(lp, res[:, None], o[:, None], cfg)[:, 0]
   return h

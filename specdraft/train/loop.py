@@ -62,8 +62,18 @@ IDENTITY = (
   "draft.block.markov_rank",
   "draft.block.mask_token_id",
   "draft.block.qk_norm",
+  "draft.block.anchor_residual",
 )
 RUN_CONFIG = "run_config.json"
+# identity settings added after runs were recorded: the value a run recorded without one had
+# (from what it recorded), so that it resumes under that value and is refused under another.
+# Before anchor_residual, every block draft's anchor slot started at its token; the default ""
+# still means that for DFlash (and EAGLE-3 has no such slot), not for DSpark.
+ADDED_LATER = {
+  "draft.block.anchor_residual": lambda before: (
+    "token" if before.get("draft.kind") == "dspark" else ""
+  ),
+}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -86,6 +96,8 @@ def check_and_record_config(config, workdir: str) -> None:
     with open(path) as f:
       before = json.load(f)["identity"]
     for k in sorted(set(before) | set(ident)):
+      if k not in before and k in ADDED_LATER:
+        before[k] = ADDED_LATER[k](before)
       if before.get(k) != ident.get(k):
         raise ValueError(
           f"config.{k}={ident.get(k)!r} is invalid for workdir {workdir}: the run there was "
