@@ -65,9 +65,8 @@ class DraftConfig:
     kind = draft_cfg.get("kind", "eagle3")
     if kind != "eagle3":
       raise ValueError(
-        f"config.draft.kind={kind!r}: this program builds an EAGLE-3 draft only; block drafts "
-        "run through experiments/train.py, long_run.py, bench_drafts.py and compare_layouts.py"
-        " (model/drafts.py)"
+        f"config.draft.kind={kind!r}: this builds an EAGLE-3 draft only; build a draft of any "
+        "kind with specdraft.model.drafts.draft_config"
       )
     pick = lambda k: draft_cfg[k] if draft_cfg.get(k) else getattr(pcfg, k)
     return cls(

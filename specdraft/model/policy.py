@@ -247,7 +247,7 @@ def rope(x_BTHD, positions_BT, theta, scaling: RopeScaling | None = None):
   """Rotary embedding (half-split convention) at caller-supplied positions, with the
   frequencies of `scaling` (`rope_inv_freq`; None: plain RoPE)."""
   D = x_BTHD.shape[-1]
-  if scaling is None:
+  if scaling is None:  # computed in float32 as it always was: plain runs stay bit-identical
     freqs = theta ** (-jnp.arange(0, D // 2, dtype=jnp.float32) * 2.0 / D)
   else:
     freqs = jnp.asarray(rope_inv_freq(D, theta, scaling), jnp.float32)
