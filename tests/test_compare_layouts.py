@@ -213,10 +213,46 @@ def test_unknown_layout_names_the_field():
     cl.selected(c)
 
 
+def _fsdp8_figures(vocab_chunk: int) -> tuple[dict, int]:
+  """(compiled figures of the smoke co-training step under fsdp8 at 64 tokens per row and
+  `vocab_chunk`, bytes of the policy's and the draft's parameters)."""
+  c = compare_config.get_config("smoke")
+  c.compare.seq_len = 64
+  c.compute.vocab_chunk = vocab_chunk
+  s = cl.make_setup(c, host_batch=False)
+  lay = cl.make_layout("fsdp8", cl.named_parallel("fsdp8"))
+  figures = cl.compile_layout(s, lay, sft=False)["cotrain"]
+  abstract, _ = cl.cotrain_state_shardings(s, lay)
+  n = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract["params"]))
+  return figures, n
+
+
+def test_fsdp_moves_weights_once_not_activations(monkeypatch):
+  """Under fsdp8 a co-training step's collectives stay within a few times the parameters' bytes
+  (gather the weights, reduce their gradients) and do not grow with the number of vocabulary
+  chunks: the trunk's residual stream is pinned to rows (`mesh.activation_constraint`) and the
+  chunk loops run on each device's rows with the heads gathered once (`mesh.rows_local`).
+  Without them (the control, measured 44-52x here) the compiler reshards activations and
+  reduces a head-sized gradient on every chunk."""
+  whole, n = _fsdp8_figures(0)
+  chunked, _ = _fsdp8_figures(16)  # 4 chunks a row
+  assert whole["collective_bytes"] <= 8 * n, (whole["collectives"], n)
+  assert chunked["collective_bytes"] <= 1.05 * whole["collective_bytes"], (
+    chunked["collectives"],
+    whole["collectives"],
+  )
+  from specdraft.parallel import mesh as mesh_lib
+
+  monkeypatch.setattr(mesh_lib, "activation_constraint", lambda mesh, rules=None: None)
+  monkeypatch.setattr(mesh_lib, "rows_local", lambda mesh, rules=None: None)
+  control, _ = _fsdp8_figures(16)
+  assert control["collective_bytes"] > 8 * n, (control["collectives"], n)
+
+
 @pytest.mark.slow
 def test_plan_compiles_abstract_inputs_on_eight_devices(capsys):
-  """The plan at smoke size on the 8 test devices: fsdp shards the policy's arguments (the draft
-  stays replicated) and trades the gradient all-reduce for all-gathers and reduce-scatters."""
+  """The plan at smoke size on the 8 test devices: fsdp shards the arguments (the policy's and
+  the draft's) and trades the gradient all-reduce for all-gathers."""
   c = compare_config.get_config("smoke")
   c.compare.plan.devices = 8
   c.compare.plan.batch_size = 16
@@ -265,4 +301,8 @@ def test_snapshot_names_every_leaf_with_its_spec(snapshot_setup):
   assert lines["params/policy/layers/wq"].endswith("(None, 'fsdp', 'tensor', None)")
   mu = [k for k in lines if k.endswith("mu/policy/layers/wq")]
   assert len(mu) == 1 and lines[mu[0]] == lines["params/policy/layers/wq"]
-  assert lines["params/draft/fc"].endswith("()")  # the draft is replicated
+  # the draft is sharded like the policy's layers (its width over fsdp, heads over tensor)
+  assert lines["params/draft/fc"].endswith("(None, 'fsdp')")
+  assert lines["params/draft/wq"].endswith("('fsdp', 'tensor', None)")
+  mu = [k for k in lines if k.endswith("mu/draft/wq")]
+  assert len(mu) == 1 and lines[mu[0]] == lines["params/draft/wq"]

@@ -16,8 +16,10 @@ model and batch, and compared per device:
 
 Every layout runs the same program, `train.step.cotrain_step` / `sft_step`: the policy's
 parameters and their Adam moments are sharded by the layout's logical-axis rules
-(`parallel.mesh.tree_shardings`), the draft's are replicated (it has no logical axes: it is one
-layer), and the batch is laid out once for the layout's cp degree (`train.sequence`).
+(`parallel.mesh.tree_shardings`), and so are the draft's (`model.drafts.param_logical_axes`, as in
+training), the policy trunk's residual stream is pinned to rows over (data, fsdp)
+(`parallel.mesh.activation_constraint`), and the batch is laid out once for the layout's cp
+degree (`train.sequence`).
 
 `plan` compiles the co-training step for abstract inputs (nothing is allocated) on a larger
 simulated mesh and a model given by config, to read per-device memory and collective bytes of
@@ -213,13 +215,17 @@ def _policy_shardings(s: Setup, lay: Layout, abstract_theta):
   return mesh_lib.tree_shardings(logical, abstract_theta, lay.rules, lay.mesh)
 
 
+def _draft_shardings(lay: Layout, abstract_phi):
+  logical = drafts.param_logical_axes(abstract_phi)
+  return mesh_lib.tree_shardings(logical, abstract_phi, lay.rules, lay.mesh)
+
+
 def cotrain_state_shardings(s: Setup, lay: Layout):
   """(abstract state, its shardings) of the co-training step under `lay`."""
   abstract = jax.eval_shape(functools.partial(_init_cotrain, s))
   params = {
     "policy": _policy_shardings(s, lay, abstract["params"]["policy"]),
-    # the draft is one layer with no logical axes: replicated under every layout
-    "draft": jax.tree.map(lambda _: _replicated(lay), abstract["params"]["draft"]),
+    "draft": _draft_shardings(lay, abstract["params"]["draft"]),
   }
   opt = _opt_shardings(abstract["opt_state"], params, abstract["params"], lay)
   return abstract, {"step": _replicated(lay), "params": params, "opt_state": opt}

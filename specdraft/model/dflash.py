@@ -343,14 +343,15 @@ def block_loss_on_shard(
   shift,
   attend,
   total,
-  policy_logits_of=lambda x: x,
+  policy_head=None,
   vocab_chunk: int = 0,
 ):
   """The block draft's loss from global sums (`total` sums over the whole batch, across shards).
 
   `shift(x, n, fill)` is x[t + n] in the row's global order; `policy_BSX` is what the targets
-  are computed from (logits with the identity `policy_logits_of`, or the final hidden state with
-  the policy's head); vocabulary work runs in sequence chunks of `vocab_chunk` tokens."""
+  are computed from (logits when `policy_head` is None, or the final hidden state with the
+  policy's head `policy_head`); vocabulary work runs in sequence chunks of `vocab_chunk`
+  tokens."""
   seg = segment_ids_BS
   hs = block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, attend=attend)
   pf = jax.lax.stop_gradient(policy_BSX)
@@ -362,7 +363,7 @@ def block_loss_on_shard(
     target = shift(pf, g, 0.0)  # the policy's distribution over x_{t+1+g} lives at t+g
     prev = shift(tokens_BS, g, 0)  # dspark: the slot's previous token, teacher-forced
     ce, l1, agree = _slot_terms(
-      dp, cfg, head_w_EV, hs[:, :, slot], target, prev, policy_logits_of, vocab_chunk
+      dp, cfg, head_w_EV, hs[:, :, slot], target, prev, policy_head, vocab_chunk
     )
     n = jnp.maximum(total(w), 1.0)
     decay = float(np.exp(-g / cfg.gamma))
@@ -374,20 +375,25 @@ def block_loss_on_shard(
   return loss / norm, metrics
 
 
-def _slot_terms(dp, cfg, head_w_EV, h_BSE, target_BSX, prev_BS, policy_logits_of, chunk):
+def _slot_terms(dp, cfg, head_w_EV, h_BSE, target_BSX, prev_BS, policy_head, chunk):
   """Per position: soft cross-entropy, L1 distance and top-1 agreement of one slot's draft
-  distribution with the policy's, in sequence chunks."""
+  distribution with the policy's, in sequence chunks (targets: logits when `policy_head` is
+  None, else the final hidden state through it)."""
+  used = ("final_norm", "markov_in", "markov_out")  # what slot_logits reads of the draft
+  params = (policy_head, head_w_EV, {k: dp[k] for k in used if k in dp})
 
-  def per_chunk(t, h, prev):
-    tl = jax.lax.stop_gradient(policy_logits_of(t)).astype(jnp.float32)
-    dl = slot_logits(dp, cfg, head_w_EV, h, prev)
+  def per_chunk(params, t, h, prev):
+    policy_w, head_w, draft = params
+    t = t if policy_w is None else chunked.logits(t, policy_w)
+    tl = jax.lax.stop_gradient(t).astype(jnp.float32)
+    dl = slot_logits(draft, cfg, head_w, h, prev)
     p = jax.nn.softmax(tl, axis=-1)
     logq = jax.nn.log_softmax(dl, axis=-1)
     ce = -jnp.sum(p * logq, axis=-1)
     l1 = jnp.sum(jnp.abs(jnp.exp(logq) - p), axis=-1)
     return ce, l1, jnp.argmax(dl, -1) == jnp.argmax(tl, -1)
 
-  return chunked.over_chunks(per_chunk, chunk, target_BSX, h_BSE, prev_BS)
+  return chunked.over_chunks(per_chunk, chunk, target_BSX, h_BSE, prev_BS, params=params)
 
 
 def block_loss(

@@ -40,6 +40,49 @@ def draft_config(draft_cfg, pcfg: pol.PolicyConfig, num_draft: int = 0, vocab_id
   return dflash.BlockDraftConfig.from_config(draft_cfg, pcfg, num_draft)
 
 
+# Logical axes of the draft's parameters, by leaf name (every kind). The draft is sharded like the
+# policy's layers (width over fsdp, heads and MLP over tensor), except that its stacked layers
+# (a block draft's `layers`) are never split over 'pp': the draft lives on the last stage.
+_AXES = {
+  "fc": (None, "embed"),
+  "wq": ("embed", "heads", "head_dim"),
+  "wk": ("embed", "kv_heads", "head_dim"),
+  "wv": ("embed", "kv_heads", "head_dim"),
+  "wo": ("heads", "head_dim", "embed"),
+  "w_gate": ("embed", "mlp"),
+  "w_up": ("embed", "mlp"),
+  "w_down": ("mlp", "embed"),
+  "head": ("embed", "vocab"),
+  "q_norm": ("head_dim",),
+  "k_norm": ("head_dim",),
+  "markov_in": ("vocab", None),
+  "markov_out": (None, "vocab"),
+}
+_WIDTH_VECTORS = ("embed_norm", "hidden_norm", "mlp_norm", "attn_norm", "final_norm", "ctx_norm",
+                  "mask_embed")  # fmt: skip
+
+
+def param_logical_axes(dparams):
+  """Logical axis names of every draft parameter (mapped onto the mesh by the layout's rules,
+  as the policy's are: `parallel.mesh.tree_shardings`)."""
+
+  def names(path, x):
+    key = path[-1].key
+    axes = ("embed",) if key in _WIDTH_VECTORS else _AXES.get(key)
+    if axes is None:
+      raise ValueError(f"draft parameter {jax.tree_util.keystr(path)} has no logical axes")
+    stacked = len(path) > 1 and path[0].key == "layers"
+    axes = ((None,) if stacked else ()) + axes  # a block draft's layer axis: never split
+    if len(axes) != x.ndim:
+      raise ValueError(
+        f"draft parameter {jax.tree_util.keystr(path)} of shape {x.shape} does not match its "
+        f"logical axes {axes}"
+      )
+    return axes
+
+  return jax.tree_util.tree_map_with_path(names, dparams)
+
+
 def init_params(dcfg, seed: int, policy_params=None, pcfg=None):
   module = dflash if is_block(dcfg) else eagle3
   return module.init_params(dcfg, seed, policy_params, pcfg)
@@ -47,7 +90,7 @@ def init_params(dcfg, seed: int, policy_params=None, pcfg=None):
 
 def loss_on_shard(
   dp, dcfg, theta, pcfg, taps_NBSE, policy_BSX, batch, *, shift, attend, total,
-  policy_logits_of, vocab_chunk: int,
+  policy_head, vocab_chunk: int,
 ):  # fmt: skip
   """The draft's loss on one shard from global sums: EAGLE-3's TTT loss or the block loss.
 
@@ -55,7 +98,7 @@ def loss_on_shard(
   `Shards.block_branch`, train/sequence.py)."""
   args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
   common = dict(
-    shift=shift, attend=attend, total=total, policy_logits_of=policy_logits_of,
+    shift=shift, attend=attend, total=total, policy_head=policy_head,
     vocab_chunk=vocab_chunk,
   )  # fmt: skip
   if is_block(dcfg):

@@ -328,14 +328,15 @@ def ttt_loss_on_shard(
   shift,
   attend,
   total,
-  policy_logits_of=lambda x: x,
+  policy_head=None,
   vocab_chunk: int = 0,
 ):
   """The TTT loss from global sums (`total` sums over the whole batch, across shards).
 
-  `policy_BSX` is what the targets are computed from: the policy's logits (X = V) with the
-  identity `policy_logits_of`, or its final hidden state (X = E) with its LM head; either way
-  the soft cross-entropy runs in sequence chunks of `vocab_chunk` (0: the whole row)."""
+  `policy_BSX` is what the targets are computed from: the policy's logits (X = V) when
+  `policy_head` is None, or its final hidden state (X = E) with its LM head `policy_head`
+  [E, V]; either way the soft cross-entropy runs in sequence chunks of `vocab_chunk` (0: the
+  whole row)."""
   seg = segment_ids_BS
   hs = _ttt_hidden(
     dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, seg, shift=shift, attend=attend
@@ -344,16 +345,21 @@ def ttt_loss_on_shard(
   mask = loss_mask_BS.astype(jnp.float32)
   # Over the draft's vocabulary: with a reduced one, the target is the policy's distribution
   # restricted to it and renormalised (what a draft limited to those tokens can match).
-  draft_logits_of = lambda h: head_logits(dp, h, cfg)
-  if cfg.vocab_ids is not None:
-    ids, full = np.asarray(cfg.vocab_ids), policy_logits_of
-    policy_logits_of = lambda x: jnp.take(full(x), ids, axis=-1)
+  draft_logits_of = lambda head, h: head_logits(head, h, cfg)
+  ids = None if cfg.vocab_ids is None else np.asarray(cfg.vocab_ids)
+
+  def policy_logits_of(w, x):
+    z = x if w is None else chunked.logits(x, w)
+    return z if ids is None else jnp.take(z, ids, axis=-1)
+
+  # what the chunk loops read besides the chunks (`chunked.over_chunks`)
+  params = (policy_head, {k: dp[k] for k in ("final_norm", "head")})
   loss, norm, metrics = 0.0, 0.0, {}
   for k in range(cfg.ttt_steps):
     w = jnp.where((shift(seg, 2 + k, 0) == seg) & (seg != 0), shift(mask, 2 + k, 0.0), 0.0)
     target = shift(pf, 1 + k, 0.0)  # the policy's distribution at t+1+k
     ce, agree = chunked.soft_cross_entropy(
-      target, policy_logits_of, hs[k], draft_logits_of, chunk=vocab_chunk
+      target, policy_logits_of, hs[k], draft_logits_of, chunk=vocab_chunk, params=params
     )
     n = jnp.maximum(total(w), 1.0)
     metrics[f"ttt_acc_{k}"] = total(agree * w) / n

@@ -92,13 +92,25 @@ def param_specs(theta, axis_name: str = "pp") -> Any:
 
 
 def _stage_fn(
-  pcfg: pol.PolicyConfig, plan: TapPlan | None, axis_name: str, stop_tap_gradient: bool, attend
+  pcfg: pol.PolicyConfig,
+  plan: TapPlan | None,
+  axis_name: str,
+  stop_tap_gradient: bool,
+  attend,
+  constrain=None,
 ):
   def fn(layers, x, side):
     pos, seg = side
     tap_at = () if plan is None else plan.local_union
     x, union, _ = pol.run_layers(
-      layers, x, pcfg, positions_BT=pos, segment_ids_BT=seg, tap_at=tap_at, attend=attend
+      layers,
+      x,
+      pcfg,
+      positions_BT=pos,
+      segment_ids_BT=seg,
+      tap_at=tap_at,
+      attend=attend,
+      constrain=constrain,
     )
     if plan is None:
       return x, None
@@ -121,6 +133,7 @@ def _run(
   stop_tap_gradient: bool,
   return_sent: bool = False,
   attend=None,
+  constrain=None,
 ):
   """Inside the shard_map: embedding, the pipelined layer stack, the tap channel."""
   # The embedding runs on the first stage only (its gradient is scattered there only).
@@ -134,7 +147,7 @@ def _run(
   channel = (
     None if plan is None else TapChannel(plan, spec.tap_mode, spec.tap_delay, spec.axis_name)
   )
-  fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient, attend)
+  fn = _stage_fn(pcfg, plan, spec.axis_name, stop_tap_gradient, attend, constrain)
   return pipe.gpipe(
     fn,
     theta["layers"],
@@ -267,7 +280,9 @@ def loss(
   ax = spec.axis_name
   cp_axis = shards.axis if shards.cp > 1 else None
 
-  run = functools.partial(_run, pcfg=pcfg, spec=spec, stages=stages, attend=shards.trunk())
+  run = functools.partial(
+    _run, pcfg=pcfg, spec=spec, stages=stages, attend=shards.trunk(), constrain=shards.constrain
+  )
 
   def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
     outs, recv, _ = run(

@@ -329,13 +329,17 @@ def dense_attention(q, k, v, positions_BT, segment_ids_BT):
   return reference.masked_attention(q, k, v, mask_BTS)[0].astype(q.dtype)
 
 
-def _training_layer(cfg: PolicyConfig, positions_BT, attend):
-  """Scan body of one layer over whole rows: xs = (layer params, positions, segment ids)."""
+def _training_layer(cfg: PolicyConfig, positions_BT, attend, constrain=None):
+  """Scan body of one layer over whole rows: xs = (layer params, positions, segment ids).
+  `constrain` (`parallel.mesh.activation_constraint`) pins the residual stream's sharding on the
+  way in and out."""
+  pin = constrain or (lambda x: x)
 
   def body(x, xs):
     lp, pos, seg = xs
+    x = pin(x)
     q, k, v = qkv(lp, x, positions_BT, cfg)
-    return attn_out_and_mlp(lp, x, attend(q, k, v, pos, seg), cfg), None
+    return pin(attn_out_and_mlp(lp, x, attend(q, k, v, pos, seg), cfg)), None
 
   return body
 
@@ -393,6 +397,7 @@ def run_layers(
   tap_at: tuple[int, ...] = (),
   attend=None,
   remat: bool = False,
+  constrain=None,
 ):
   """Runs a contiguous stack of layers (leading axis of `layers`) with `lax.scan`.
 
@@ -403,7 +408,8 @@ def run_layers(
   inputs, not as loop constants: differentiating a scan hoists whatever depends only on its
   constants out of the loop, and the attention's per-tile masks would then be precomputed for
   every tile pair at once (O(S^2) memory). `remat` rematerialises each layer in the backward pass
-  (only the layer inputs are saved).
+  (only the layer inputs are saved). `constrain` (training only; None: none) pins the residual
+  stream's sharding at every layer boundary (`parallel.mesh.activation_constraint`).
   With `cache = (k_LBCKD, v_LBCKD, lengths_B)`: the T new tokens are written at
   lengths..lengths+T-1 and attend to cache entries j <= lengths + i. With a cache and `attend`
   (prefill: lengths are 0), the new tokens attend to each other through `attend` and their keys
@@ -421,7 +427,7 @@ def run_layers(
   if decode:
     body = _cached_layer(cfg, positions_BT, cache, x_BTE.shape[1])
   elif cache is None:
-    body = _training_layer(cfg, positions_BT, attend or tiled_attention())
+    body = _training_layer(cfg, positions_BT, attend or tiled_attention(), constrain)
   else:
     body = _prefill_layer(cfg, positions_BT, attend)
   if remat:
@@ -489,12 +495,13 @@ def hidden(
   attend=None,
   attention: str = "tiled",
   remat: bool = False,
+  constrain=None,
 ):
   """The policy trunk over packed rows: (final normed hidden h_BSE, tapped layers x_NBSE).
 
   `attend(q, k, v, positions, segment_ids)` overrides the attention (a context-parallel shard
   passes the ring); otherwise `attention` is "tiled" (flash-style, the training path) or
-  "dense" (the oracle)."""
+  "dense" (the oracle). `constrain` pins the residual stream's sharding (`run_layers`)."""
   if attend is None:
     if attention not in ATTENTIONS:
       raise ValueError(f"attention={attention!r} is invalid; expected one of {ATTENTIONS}")
@@ -509,6 +516,7 @@ def hidden(
     tap_at=cfg.taps,
     attend=attend,
     remat=remat,
+    constrain=constrain,
   )
   return final_hidden(params, x, cfg), taps
 

@@ -7,7 +7,7 @@ import math
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from specdraft.parallel.layouts import AXES
+from specdraft.parallel.layouts import AXES, DEFAULT_RULES
 
 
 def mesh_shape(parallel_cfg) -> tuple[int, ...]:
@@ -127,7 +127,7 @@ def logical_to_spec(logical: tuple, rules, mesh: jax.sharding.Mesh, shape=None) 
 
 def tree_shardings(logical_tree, shapes_tree, rules, mesh):
   """NamedShardings for a pytree of parameters from their logical axes."""
-  is_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+  is_leaf = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
   return jax.tree.map(
     lambda names, s: NamedSharding(mesh, logical_to_spec(names, rules, mesh, s.shape)),
     logical_tree,
@@ -159,3 +159,78 @@ def shard_batch(tree, mesh, rules):
   from specdraft.parallel import multihost
 
   return multihost.put_tree(tree, jax.tree.map(lambda x: batch_sharding(mesh, rules, x.ndim), tree))
+
+
+def activation_constraint(mesh, rules=None):
+  """constrain(x) for the policy trunk's activations [B, ...] under `mesh`, or None on one device.
+
+  The residual stream is pinned to rows over the 'batch' rule's axes (data, fsdp) and nothing
+  else: its width is never sharded, so a layer's weights sharded over fsdp are all-gathered for
+  their matmuls (the FSDP pattern) and tensor-parallel weights leave a partial sum that is
+  all-reduced back to whole rows (Megatron's), instead of the compiler resharding or all-reducing
+  activations as wide as the batch. Axes that are manual where it is traced (cp and pp inside the
+  training steps' shard_maps) are left out of the constraint; they already split the array.
+  Without it XLA's sharding propagation follows the weights into the activations (the 'embed'
+  rule shards weights' width over fsdp), which at scale moves activations, not weights.
+  """
+  if mesh is None or mesh.size == 1:
+    return None
+  axes = _batch_axes(mesh, rules)
+
+  def constrain(x):
+    am = jax.sharding.get_abstract_mesh()
+    manual = set() if am.empty else set(am.manual_axes)
+    target = mesh if am.empty else am
+    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
+    rows = math.prod(mesh.shape[a] for a in keep)
+    if x.shape[0] % max(rows, 1):
+      keep = ()
+    first = None if not keep else (keep[0] if len(keep) == 1 else keep)
+    spec = PartitionSpec(first, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
+
+  return constrain
+
+
+def _batch_axes(mesh, rules=None) -> tuple[str, ...]:
+  table = {r[0]: r[1] for r in (rules if rules is not None else DEFAULT_RULES)}
+  axes = table.get("batch")
+  return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+
+
+def rows_local(mesh, rules=None):
+  """run(fn, params, xs) -> fn(params, *xs) with the rows of every x (axis 0) local to each
+  device of the 'batch' rule's axes (a shard_map manual over them), `params` (a pytree) whole
+  on every device; or None on one device.
+
+  For a loop over sequence chunks that reads weights (the vocabulary-sized head): inside, each
+  device accumulates its own rows' contribution to the weights' gradient, and the shard_map's
+  boundary sums it over the devices once (its transpose of an input whole on every device),
+  where the compiler, left to itself, reduces a weight-sized gradient on every iteration of the
+  loop (and gathers the weight on every iteration too). Axes already manual where it is traced
+  (cp inside the training steps' shard_map) are left out. The pipelined steps do not use it:
+  nested in the pipeline's shard_map, which checks varying axes, it loses the annotations of
+  the cotangents it returns."""
+  if mesh is None or mesh.size == 1:
+    return None
+  axes = _batch_axes(mesh, rules)
+
+  def run(fn, params, xs):
+    am = jax.sharding.get_abstract_mesh()
+    manual = set() if am.empty else set(am.manual_axes)
+    target = mesh if am.empty else am
+    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
+    rows = math.prod(mesh.shape[a] for a in keep)
+    if not keep or any(x.shape[0] % rows for x in xs):
+      return fn(params, *xs)
+    spec = PartitionSpec(keep[0] if len(keep) == 1 else keep)
+    return jax.shard_map(
+      fn,
+      mesh=target,
+      in_specs=(PartitionSpec(), *(spec for _ in xs)),
+      out_specs=spec,
+      axis_names=set(keep),
+      check_vma=False,
+    )(params, *xs)
+
+  return run

@@ -360,8 +360,24 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
 
 def init_draft(ctx: Context, params):
   """The draft's initial parameters (EAGLE-3's head and every kind's final norm start from the
-  policy's)."""
-  return jax.jit(lambda p: drafts.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg))(params)
+  policy's), sharded by the layout's rules (`state.draft_shardings`)."""
+  init = lambda p: drafts.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg)
+  sh = state_lib.draft_shardings(ctx.dcfg, jax.eval_shape(init, params), ctx.mesh, ctx.rules)
+  return jax.jit(init, out_shardings=sh)(params)
+
+
+def _state_shardings(ctx: Context, tx, params, **scalars):
+  """Shardings of a phase state {step, params, opt_state, **scalars} whose parameters are placed
+  already: theirs, their moments', and replicated counters and scalars."""
+  replicated = state_lib.replicated(ctx.mesh)
+  sh = jax.tree.map(lambda x: x.sharding, params)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  return {
+    "step": replicated,
+    "params": sh,
+    "opt_state": state_lib.opt_shardings(tx, abstract, sh, ctx.mesh),
+    **{k: replicated for k in scalars},
+  }
 
 
 def rollout_temperatures(dc) -> tuple[float, ...]:
@@ -376,8 +392,8 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   """Distils the draft from the fixed SFT policy; returns (draft params, finished)."""
   c, dc = ctx.config, ctx.config.draft
   tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
-  replicated = state_lib.replicated(ctx.mesh)
   dparams = init_draft(ctx, params)
+  sh = _state_shardings(ctx, tx, dparams, key=None)
   state = jax.jit(
     lambda d: {
       "step": jnp.zeros((), jnp.int32),
@@ -385,7 +401,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
       "opt_state": tx.init(d),
       "key": jax.random.key_data(jax.random.key(c.seed + 2)),
     },
-    out_shardings=replicated,
+    out_shardings=sh,
   )(dparams)
   temps = rollout_temperatures(dc)
   step_fns = {
@@ -401,7 +417,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
         pipeline=ctx.pipeline,
         **ctx.compute,
       ),
-      out_shardings=(replicated, None),
+      out_shardings=(sh, None),
       donate_argnums=0,
     )
     for t in sorted(set(temps))
@@ -445,7 +461,7 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
       "params": t,
       "opt_state": tx.init(t),
       "key": jax.random.key_data(jax.random.key(c.seed + 3)),
-    }
+    }  # shardings follow the parameters' (the policy's and the draft's rules)
   )(trainable)
   train_step = jax.jit(
     functools.partial(

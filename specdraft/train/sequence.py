@@ -38,6 +38,7 @@ from specdraft.attention import ring
 from specdraft.decode.sampling import Sampling, processed_logits
 from specdraft.model import chunked, drafts, eagle3
 from specdraft.model import policy as pol
+from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import zigzag
 from specdraft.rl import grpo
 
@@ -79,7 +80,6 @@ def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
 def batch_shardings(batch: dict, mesh, rules) -> dict:
   """Shardings of a laid-out batch: rows by the 'batch' rule, per-token arrays' sequence axis by
   the 'length' rule (the 'cp' axis)."""
-  from specdraft.parallel import mesh as mesh_lib
 
   def sharding(key, x):
     logical = ("batch", "length") if key in TOKEN_KEYS else ("batch",)
@@ -121,6 +121,9 @@ class Shards:
   axis: str | None = None
   tile: int = 512
   remat: bool = False  # rematerialise each policy layer in the backward pass
+  # pins the policy trunk's residual stream to rows over (data, fsdp) (None: one device);
+  # `parallel.mesh.activation_constraint`
+  constrain: object = None
 
   def shift(self, x, n: int, fill=0):
     """x[t + n] in the row's global order (`fill` past the row's end)."""
@@ -187,19 +190,23 @@ def run(
   shard_map over `cp_axis` with every per-token array sharded on its sequence axis."""
   cp = cp_size(mesh, cp_axis)
   check_laid_out(batch, cp)
+  pin = mesh_lib.activation_constraint(mesh)
+  local = chunked.rows_local(mesh_lib.rows_local(mesh))
   if cp == 1:
-    return body(Shards(tile=tile, remat=remat), *params, batch)
+    with local:
+      return body(Shards(tile=tile, remat=remat, constrain=pin), *params, batch)
   tok = PartitionSpec(None, cp_axis)
   batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
   fn = jax.shard_map(
-    functools.partial(body, Shards(cp, cp_axis, tile, remat)),
+    functools.partial(body, Shards(cp, cp_axis, tile, remat, pin)),
     mesh=mesh,
     in_specs=(*(PartitionSpec() for _ in params), batch_specs),
     out_specs=PartitionSpec(),
     axis_names={cp_axis},
     check_vma=False,
   )
-  return fn(*params, batch)
+  with local:
+    return fn(*params, batch)
 
 
 def run_pipelined(
@@ -212,7 +219,10 @@ def run_pipelined(
 
   cp = cp_size(mesh)
   check_laid_out(batch, cp)
-  shards = Shards(cp, "cp", tile) if cp > 1 else Shards(tile=tile)
+  pin = mesh_lib.activation_constraint(mesh)
+  shards = Shards(cp, "cp", tile, constrain=pin) if cp > 1 else Shards(tile=tile, constrain=pin)
+  # (the last stage's vocabulary loops run as they are: `mesh.rows_local`'s shard_map nested in
+  # the pipeline's, which checks varying axes, loses its cotangents' annotations)
   return pipelined.loss(
     theta,
     extra,
@@ -232,7 +242,16 @@ def run_pipelined(
 def policy_hidden(theta, pcfg, batch, sh: Shards):
   """(final normed hidden h_BSE, tapped layers x_NBSE) of this shard's rows."""
   pos, seg = batch["positions"], batch["segment_ids"]
-  return pol.hidden(theta, pcfg, batch["tokens"], pos, seg, attend=sh.trunk(), remat=sh.remat)
+  return pol.hidden(
+    theta,
+    pcfg,
+    batch["tokens"],
+    pos,
+    seg,
+    attend=sh.trunk(),
+    remat=sh.remat,
+    constrain=sh.constrain,
+  )
 
 
 def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int, sampling=None):
@@ -364,6 +383,6 @@ def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, 
     shift=sh.shift,
     attend=(sh.block_branch if drafts.is_block(dcfg) else sh.branch)(pos, seg),
     total=sh.total,
-    policy_logits_of=lambda x: chunked.logits(x, w),
+    policy_head=w,
     vocab_chunk=vocab_chunk,
   )

@@ -58,16 +58,29 @@ def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int, *, init_from:
   else:
     params = jax.jit(lambda: pol.init_params(pcfg, seed), out_shardings=shardings)()
   # Moments follow their parameters; counters and other scalars are replicated on the mesh.
-  opt_shardings = optax.tree_map_params(
-    tx,
-    lambda _, s: s,
-    jax.eval_shape(tx.init, abstract),
-    shardings,
-    transform_non_params=lambda _: replicated(mesh),
-  )
-  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+  opt_state = jax.jit(tx.init, out_shardings=opt_shardings(tx, abstract, shardings, mesh))(params)
   step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=replicated(mesh))()
   return {"step": step, "params": params, "opt_state": opt_state}
+
+
+def draft_shardings(dcfg, abstract_dparams, mesh, rules):
+  """The draft's parameter shardings under the layout's rules (`drafts.param_logical_axes`:
+  width over fsdp, heads and MLP over tensor, like the policy's layers)."""
+  from specdraft.model import drafts
+
+  logical = drafts.param_logical_axes(abstract_dparams)
+  return mesh_lib.tree_shardings(logical, abstract_dparams, rules, mesh)
+
+
+def opt_shardings(tx, abstract_params, param_shardings, mesh):
+  """Optimizer-state shardings: moments follow their parameters, counters are replicated."""
+  return optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    jax.eval_shape(tx.init, abstract_params),
+    param_shardings,
+    transform_non_params=lambda _: replicated(mesh),
+  )
 
 
 def state_shardings(state):
