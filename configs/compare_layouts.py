@@ -77,6 +77,15 @@ def get_config(arg: str | None = None):
     microbatches=8,  # pipeline microbatches of pp meshes (0: 2 * pp, as the named layouts)
     compute=dict(attn_tile=512, vocab_chunk=1024, remat=True),
     isolate=True,  # each mesh compiles in a child process (an XLA check failure aborts one)
+    # fixed before the run (copied into plan.json with pass/fail)
+    goals=dict(
+      wall_time=dict(
+        metric="summary.wall_seconds",
+        op="<=",
+        target=600.0,
+        what="seconds to plan every mesh (compile-only, 64 simulated devices)",
+      ),
+    ),
     meshes=dict(
       fsdp64=dict(fsdp=64),
       fsdp8_tp8=dict(fsdp=8, tensor=8),

@@ -638,6 +638,7 @@ def run_plan(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   p = config.compare.plan
+  t0 = time.perf_counter()
   rows = plan(config)
   n_params = sum(
     math.prod(x.shape)
@@ -651,12 +652,19 @@ def run_plan(config, workdir: str) -> dict:
     "compute": p.compute.to_dict(),
     "basis": "per device; compile-only on the CPU backend for abstract inputs",
     "meshes": rows,
+    "summary": {
+      "wall_seconds": time.perf_counter() - t0,
+      "meshes_compiled": sum("error" not in r for r in rows.values()),
+    },
   }
-  results = provenance.write_results(workdir, results, filename="plan.json")
+  results = provenance.write_results(
+    workdir, results, filename="plan.json", goals=provenance.goals_from_config(p.get("goals", {}))
+  )
   text = plan_table(results)
   with open(os.path.join(workdir, "plan.md"), "w") as f:
     f.write(text + "\n")
   print(text, flush=True)
+  print(provenance.goals_table(results["goals"]), flush=True)
   return results
 
 
