@@ -759,6 +759,37 @@ def real_model(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def plan_layouts(r: dict) -> str:
+  """`compare_layouts.py --plan`: per-device figures of each planned mesh (compile-only)."""
+  m = r["model"]
+  head = (
+    "### Planning a 100B-class co-training step on 64 devices (compile-only)\n\n"
+    f"A {r['policy_parameters'] / 1e9:.1f}B-parameter dense policy ({m['n_layers']} layers, "
+    f"width {m['d_model']}, {m['n_heads']} heads / {m['n_kv_heads']} KV heads, MLP {m['d_ff']}, "
+    f"vocabulary {m['vocab_size']}, {m['dtype']} compute, float32 weights and Adam moments, "
+    f"every layer rematerialised) with a one-layer EAGLE-3 draft, {r['batch_size']} rows of "
+    f"{r['seq_len']} tokens per step, compiled for abstract inputs on 64 simulated CPU devices; "
+    "GiB per device. Collectives: bytes one device sends per step (ring algorithm). Temp is "
+    "the CPU backend's buffer assignment, which holds bfloat16 matmul operands and results in "
+    "float32 (see Comparing layouts for what carries over to GPU and TPU)."
+  )
+  kinds = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+  rows = []
+  for name, x in r["meshes"].items():
+    if "error" in x:
+      rows.append([name, x.get("mesh", ""), "does not compile: " + x["error"][:90]] + [""] * 8)
+      continue
+    cells = [name, x["mesh"]] + [_gib(x[k]) for k in ("argument_bytes", "temp_bytes")]
+    cells += [_gib(x["peak_bytes"])] + [_gib(x["collectives"][k]["sent_bytes"]) for k in kinds]
+    cells += [f"{x['compile_seconds']:.0f}"]
+    rows.append(cells)
+  table = _table(
+    ["mesh", "axes", "arguments", "temp", "peak", *kinds, "compile s"],
+    rows,
+  )
+  return head + "\n\n" + table
+
+
 # (results file, renderer); a renderer takes the results and the file's directory.
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
@@ -775,6 +806,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
   ("docs/results/real_model_sd/results.json", lambda r, d: real_model(r)),
+  ("docs/results/plan_layouts/plan.json", lambda r, d: plan_layouts(r)),
 ]
 
 
