@@ -630,6 +630,8 @@ def _plan_parallel(name: str, sizes, plan_cfg) -> ml_collections.ConfigDict:
     p.mesh[axis] = int(size)
   p.name, p.devices = "custom", int(plan_cfg.devices)
   p.pipeline.microbatches = int(plan_cfg.get("microbatches", 0)) or 2 * int(p.mesh.pp)
+  # "every layer rematerialised" holds for pipelined meshes too: their stage bodies
+  p.pipeline.remat = bool(plan_cfg.compute.get("remat", False))
   return p
 
 
