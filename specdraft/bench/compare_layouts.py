@@ -11,8 +11,10 @@ model and batch, and compared per device:
   time         the co-training step on the simulated CPU devices, interleaved repeats, median,
                as a ratio to `single` (the devices share this machine's cores: for information)
   parity       loss, gradient norms and every gradient leaf against the single-device step,
-               relative to the leaf's norm (post-Adam parameters are never compared: Adam
-               divides each gradient element by its own magnitude)
+               relative to the leaf's norm, read from the compiled step's first run (its
+               metrics, and Adam's first moments: one step from zero leaves (1 - b1) times the
+               clipped gradient; post-Adam parameters are never compared: Adam divides each
+               gradient element by its own magnitude)
 
 Every layout runs the same program, `train.step.cotrain_step` / `sft_step`: the policy's
 parameters and their Adam moments are sharded by the layout's logical-axis rules
@@ -379,7 +381,9 @@ def grad_rel_diffs(got, want) -> dict[str, float]:
 
 
 def parity_figures(got: tuple, want: tuple, *, rtol: float) -> dict:
-  """Loss, gradient norms and the worst gradient leaf of a layout against `single`."""
+  """Loss, gradient norms and the worst gradient leaf of a layout against `single`, from
+  (metrics, gradients) pairs: `cotrain_grads`' or `run_steps`' (gradients there are Adam's
+  first moments after one step: the clipped gradients times 1 - b1)."""
   (m, g), (m0, g0) = got, want
   rel = lambda k: abs(float(m[k]) - float(m0[k])) / max(abs(float(m0[k])), 1e-30)
   diffs = grad_rel_diffs(g, g0)
@@ -407,11 +411,25 @@ def parity_figures(got: tuple, want: tuple, *, rtol: float) -> dict:
 # ----------------------------------------------------------------------------- time
 
 
-def step_times(s: Setup, lays: dict[str, Layout], compiled: dict, *, repeats: int) -> dict:
-  """Median seconds of the co-training step per layout, interleaved repeats (a slow phase of
-  the machine hits every layout), each layout's state donated from its previous step."""
+def first_moments(opt_state) -> dict[str, np.ndarray]:
+  """Adam's first moments of a co-training state, keyed by their parameter's path
+  ("['policy']['layers']['wq']"). One step from zero moments leaves mu = (1 - b1) * the step's
+  (clipped) gradient, so comparing them relative to their norms compares the gradients."""
+  out = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+    names = [getattr(k, "name", None) for k in path]
+    if "mu" in names:
+      out[jax.tree_util.keystr(path[names.index("mu") + 1 :])] = np.asarray(x)
+  return out
+
+
+def run_steps(s: Setup, lays: dict[str, Layout], compiled: dict, *, repeats: int):
+  """Runs every layout's compiled co-training step from the same initial state: returns
+  ({layout: (metrics, first_moments)} of the first step (parity), {layout: median seconds of the
+  step over `repeats` interleaved repeats after it} (a slow phase of the machine hits every
+  layout; each state donated from its previous step)."""
   trainable = initial_trainable(s)
-  states, batches = {}, {}
+  states, batches, first = {}, {}, {}
   for name, lay in lays.items():
     _, state_sh = cotrain_state_shardings(s, lay)
     state = {
@@ -422,14 +440,18 @@ def step_times(s: Setup, lays: dict[str, Layout], compiled: dict, *, repeats: in
     states[name] = jax.device_put(state, state_sh)
     batch, batch_sh = laid_out_batch(s, lay)
     batches[name] = jax.device_put(batch, batch_sh)
-    states[name] = jax.block_until_ready(compiled[name](states[name], batches[name]))[0]  # warm-up
+    states[name], metrics = jax.block_until_ready(compiled[name](states[name], batches[name]))
+    first[name] = (
+      jax.device_get(metrics),
+      first_moments(jax.device_get(states[name]["opt_state"])),
+    )
   times = {name: [] for name in lays}
   for _ in range(repeats):
     for name in lays:
       t0 = time.perf_counter()
       states[name] = jax.block_until_ready(compiled[name](states[name], batches[name]))[0]
       times[name].append(time.perf_counter() - t0)
-  return {name: float(np.median(v)) for name, v in times.items()}
+  return first, {name: float(np.median(v)) for name, v in times.items() if v}
 
 
 # ----------------------------------------------------------------------------- snapshots
@@ -487,12 +509,14 @@ def compare(config) -> dict:
       f"({c['compile_seconds']:.0f} s to compile)",
       flush=True,
     )
+  if not (cmp.parity or cmp.repeats > 0):
+    return rows
+  # one run of each compiled step: the first step gives parity (its metrics and Adam's first
+  # moments, no second program to compile), the repeats after it the step time
+  first, med = run_steps(s, lays, compiled, repeats=cmp.repeats)
   if cmp.parity:
-    trainable = initial_trainable(s)
-    ref = cotrain_grads(s, lays["single"], trainable)
-    for name, lay in lays.items():
-      got = ref if name == "single" else cotrain_grads(s, lay, trainable)
-      rows[name]["parity"] = parity_figures(got, ref, rtol=cmp.parity_rtol)
+    for name in lays:
+      rows[name]["parity"] = parity_figures(first[name], first["single"], rtol=cmp.parity_rtol)
       p = rows[name]["parity"]
       print(
         f"{name:>24}: parity {'ok' if p['passed'] else 'FAILED'} (loss {p['loss_rel_diff']:.1e}, "
@@ -500,7 +524,6 @@ def compare(config) -> dict:
         flush=True,
       )
   if cmp.repeats > 0:
-    med = step_times(s, lays, compiled, repeats=cmp.repeats)
     for name in lays:
       rows[name]["step_seconds"] = med[name]
       rows[name]["time_over_single"] = med[name] / med["single"]
