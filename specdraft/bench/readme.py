@@ -759,6 +759,48 @@ def real_model(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def compare_layouts(r: dict, rel_dir: str) -> str:
+  """`compare_layouts.py`: every named layout's co-training step side by side."""
+  m = r["model"]
+  head = (
+    "### Layouts side by side: memory, FLOPs, collectives, time and parity\n\n"
+    f"The co-training step of one model ({m['n_layers']} layers, width {m['d_model']}, "
+    f"{m['n_heads']} heads / {m['n_kv_heads']} KV heads) and batch ({r['batch_size']} rows of "
+    f"{r['seq_len']} tokens) compiled under every named layout on 8 simulated CPU devices; per "
+    "device: peak memory (arguments + outputs − donated + temp) and arguments in MiB, matmul "
+    "GFLOP with loop trip counts, MiB sent per step by collective kind (ring algorithm), step "
+    "time over `single` (interleaved repeats on simulated devices sharing 2 cores: for "
+    "information) and parity with the single-device step (the worst gradient leaf's difference "
+    "relative to its norm, from each compiled step's first run)."
+  )
+  short = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR",
+           "collective-permute": "CP", "all-to-all": "A2A"}  # fmt: skip
+  rows = []
+  for name, x in r["layouts"].items():
+    c = x["cotrain"]
+    cells = [name, str(x["devices"]), f"{c['peak_bytes'] / 2**20:.1f}"]
+    cells += [f"{c['argument_bytes'] / 2**20:.1f}", f"{c['dot_flops'] / 1e9:.2f}"]
+    cells += [f"{c['collectives'][k]['sent_bytes'] / 2**20:.1f}" for k in short]
+    cells.append(_f(x["time_over_single"]) if "time_over_single" in x else "-")
+    p = x.get("parity")
+    cells.append(f"{p['max_grad_rel_diff']:.1e}" if p else "-")
+    rows.append(cells)
+  table = _table(
+    ["layout", "devices", "peak MiB", "arguments MiB", "GFLOP", *short.values(), "time / single",
+     "parity"],
+    rows,
+  )  # fmt: skip
+  wall = r["summary"]["wall_seconds"]
+  tail = (
+    f"Collective kinds: {', '.join(f'{v} {k}' for k, v in short.items())}. The whole comparison "
+    f"(compiles, parity, timing) took {wall / 60:.1f} min."
+  )
+  plots = " ".join(
+    f"![{q}]({rel_dir}/{q}.png)" for q in ("peak_memory", "collectives", "time", "parity")
+  )
+  return head + "\n\n" + table + "\n\n" + tail + "\n\n" + plots
+
+
 def plan_layouts(r: dict) -> str:
   """`compare_layouts.py --plan`: per-device figures of each planned mesh (compile-only)."""
   m = r["model"]
@@ -806,6 +848,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
   ("docs/results/real_model_sd/results.json", lambda r, d: real_model(r)),
+  ("docs/results/compare_layouts/results.json", compare_layouts),
   ("docs/results/plan_layouts/plan.json", lambda r, d: plan_layouts(r)),
 ]
 
