@@ -622,7 +622,16 @@ def plan_row(config, name: str, parallel) -> dict:
     out = compile_layout(s, lay, sft=False)
   except Exception as e:  # a layout that does not compile is reported, not hidden
     return {"mesh": _mesh_text(parallel), "error": f"{type(e).__name__}: {e}"[:400]}
-  return {"devices": lay.devices, "mesh": _mesh_text(parallel), **out["cotrain"]}
+  m = {a: int(parallel.mesh[a]) for a in layouts.AXES}
+  # every device of a (data, fsdp) slice holds its rows; cp splits their tokens (each pipeline
+  # stage sees every row of its slice)
+  tokens = int(p.batch_size) // (m["data"] * m["fsdp"]) * int(p.seq_len) // m["cp"]
+  return {
+    "devices": lay.devices,
+    "mesh": _mesh_text(parallel),
+    "tokens_per_device": tokens,
+    **out["cotrain"],
+  }
 
 
 def _plan_isolated(config, name: str, parallel) -> dict:
@@ -735,7 +744,7 @@ def table(results) -> str:
 
 def plan_table(results) -> str:
   kinds = hlo.COLLECTIVE_KINDS
-  head = "| mesh | argument | temp | peak | " + " | ".join(kinds) + " |"
+  head = "| mesh | tokens/device | argument | temp | peak | " + " | ".join(kinds) + " |"
   lines = [
     f"policy parameters: {results['policy_parameters'] / 1e9:.1f} B; GiB per device",
     "",
@@ -745,9 +754,10 @@ def plan_table(results) -> str:
   gib = lambda n: f"{n / 2**30:.2f}"
   for name, r in results["meshes"].items():
     if "error" in r:
-      lines.append(f"| {name} | {r['error'][:60]} |" + " |" * (len(kinds) + 2))
+      lines.append(f"| {name} | {r['error'][:60]} |" + " |" * (len(kinds) + 3))
       continue
-    cells = [name] + [gib(r[k]) for k in ("argument_bytes", "temp_bytes", "peak_bytes")]
+    cells = [name, str(r.get("tokens_per_device", "-"))]
+    cells += [gib(r[k]) for k in ("argument_bytes", "temp_bytes", "peak_bytes")]
     cells += [gib(r["collectives"][k]["sent_bytes"]) for k in kinds]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)

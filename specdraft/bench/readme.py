@@ -811,7 +811,9 @@ def plan_layouts(r: dict) -> str:
     f"vocabulary {m['vocab_size']}, {m['dtype']} compute, float32 weights and Adam moments, "
     f"every layer rematerialised) with a one-layer EAGLE-3 draft, {r['batch_size']} rows of "
     f"{r['seq_len']} tokens per step, compiled for abstract inputs on 64 simulated CPU devices; "
-    "GiB per device. Collectives: bytes one device sends per step (ring algorithm). Temp is "
+    "GiB per device. The meshes split the same global batch differently: tokens/device is "
+    "what one device processes per step (its rows over data·fsdp, their tokens over cp). "
+    "Collectives: bytes one device sends per step (ring algorithm). Temp is "
     "the CPU backend's buffer assignment, which holds bfloat16 matmul operands and results in "
     "float32 (see Comparing layouts for what carries over to GPU and TPU)."
   )
@@ -819,14 +821,15 @@ def plan_layouts(r: dict) -> str:
   rows = []
   for name, x in r["meshes"].items():
     if "error" in x:
-      rows.append([name, x.get("mesh", ""), "does not compile: " + x["error"][:90]] + [""] * 8)
+      rows.append([name, x.get("mesh", ""), "does not compile: " + x["error"][:90]] + [""] * 9)
       continue
-    cells = [name, x["mesh"]] + [_gib(x[k]) for k in ("argument_bytes", "temp_bytes")]
+    cells = [name, x["mesh"], str(x.get("tokens_per_device", "-"))]
+    cells += [_gib(x[k]) for k in ("argument_bytes", "temp_bytes")]
     cells += [_gib(x["peak_bytes"])] + [_gib(x["collectives"][k]["sent_bytes"]) for k in kinds]
     cells += [f"{x['compile_seconds']:.0f}"]
     rows.append(cells)
   table = _table(
-    ["mesh", "axes", "arguments", "temp", "peak", *kinds, "compile s"],
+    ["mesh", "axes", "tokens/device", "arguments", "temp", "peak", *kinds, "compile s"],
     rows,
   )
   return head + "\n\n" + table
