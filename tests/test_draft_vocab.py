@@ -101,6 +101,40 @@ def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
   assert abs(float(full) - float(got)) > 1e-3
 
 
+def test_targets_from_the_hidden_state_use_only_the_draft_columns_of_the_head():
+  """The training steps give the TTT loss the policy's final hidden state and its head: with a
+  reduced vocabulary only the head's columns of the draft's ids are multiplied (the targets need
+  no other logits). Value, agreement and gradients equal the loss fed the whole logits."""
+  pcfg, dcfg, params, dp = _models()
+  B, S = 2, 12
+  tokens = jax.random.randint(jax.random.key(3), (B, S), 0, V)
+  positions = jnp.tile(jnp.arange(S), (B, 1))
+  seg = jnp.ones((B, S), jnp.int32).at[1, 8:].set(2)
+  mask = jnp.ones((B, S))
+  taps = jax.random.normal(jax.random.key(4), (dcfg.n_taps, B, S, 32))
+  h = jax.random.normal(jax.random.key(5), (B, S, 32))
+  w = 0.5 * jax.random.normal(jax.random.key(6), (32, V))
+  attend = eagle3.attend_by_branch(
+    lambda *a: eagle3.branch_attention(*a, seg, branch="ttt", impl="dense")
+  )
+
+  def loss(d, x, head):
+    return eagle3.ttt_loss_on_shard(
+      d, dcfg, params["embed"], taps, x, tokens, positions, seg, mask,
+      shift=eagle3.natural_shift, attend=attend, total=jnp.sum, policy_head=head, vocab_chunk=4,
+    )  # fmt: skip
+
+  vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (got, gm), g_got = vg(dp, h, w)
+  (want, wm), g_want = vg(dp, jnp.einsum("bse,ev->bsv", h, w), None)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for k in range(dcfg.ttt_steps):
+    np.testing.assert_allclose(gm[f"ttt_acc_{k}"], wm[f"ttt_acc_{k}"])
+  for name in g_got:
+    a, b = np.asarray(g_got[name]), np.asarray(g_want[name])
+    assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12), name
+
+
 def test_sd_with_a_reduced_draft_is_greedy_exact_and_samples_only_what_the_policy_allows():
   pcfg, dcfg, params, dp = _models()
   B, P = 4, 6

@@ -209,7 +209,11 @@ def run(config, workdir: str) -> dict:
     "training_summary": summary,
     "total_seconds": time.time() - t0,
   }
-  measured = {"by_point": {p["point"]: p for p in points}, "parity": check}
+  measured = {
+    "by_point": {p["point"]: p for p in points},
+    "parity": check,
+    "total_seconds": payload["total_seconds"],
+  }
   results = provenance.write_results(
     workdir, payload, goals=provenance.goals_from_config(r.goals), measured=measured
   )

@@ -347,6 +347,10 @@ def ttt_loss_on_shard(
   # restricted to it and renormalised (what a draft limited to those tokens can match).
   draft_logits_of = lambda head, h: head_logits(head, h, cfg)
   ids = None if cfg.vocab_ids is None else np.asarray(cfg.vocab_ids)
+  if ids is not None and policy_head is not None:
+    # the targets need the policy's logits of the draft's ids only: their columns of the head
+    # (every TTT step's targets then cost a [.., E] x [E, draft_vocab] matmul, not E x V)
+    policy_head, ids = jnp.take(policy_head, ids, axis=1), None
 
   def policy_logits_of(w, x):
     z = x if w is None else chunked.logits(x, w)
