@@ -66,6 +66,19 @@ def test_the_head_starts_as_the_policy_columns_and_is_minus_infinity_outside():
     eagle3.DraftConfig.from_config(bad, pcfg, vocab_ids=(5, 3))
 
 
+def _assert_same_loss(want_out, got_loss_metrics, g_got, dcfg, rtol):
+  """A TTT loss's value, per-step agreement and gradients (relative to their norms) against the
+  oracle's ((loss, metrics), grads)."""
+  (want, wm), g_want = want_out
+  got, gm = got_loss_metrics
+  np.testing.assert_allclose(got, want, rtol=rtol)
+  for k in range(dcfg.ttt_steps):
+    np.testing.assert_allclose(gm[f"ttt_acc_{k}"], wm[f"ttt_acc_{k}"])
+  for name in g_got:
+    a, b = np.asarray(g_got[name]), np.asarray(g_want[name])
+    assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12), name
+
+
 def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
   """Oracle: the same parameters as a full-vocabulary draft over a target vocabulary of just the
   draft's tokens, fed the policy's logits at those ids (value and gradient)."""
@@ -88,13 +101,7 @@ def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
   vg = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
   (got, gm), g_got = vg(dp, dcfg, policy_logits)
   # the oracle's "target vocabulary" is the draft's: its head [E, N] covers all of it
-  (want, wm), g_want = vg(dp, oracle_cfg, policy_logits[..., ids])
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  for k in range(dcfg.ttt_steps):
-    np.testing.assert_allclose(gm[f"ttt_acc_{k}"], wm[f"ttt_acc_{k}"])
-  for name in g_got:
-    a, b = np.asarray(g_got[name]), np.asarray(g_want[name])
-    assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12), name
+  _assert_same_loss(vg(dp, oracle_cfg, policy_logits[..., ids]), (got, gm), g_got, dcfg, 1e-6)
   # and it is not the full-vocabulary loss (the restriction matters)
   full_dp = dict(dp, head=params["embed"].T)
   full = jax.jit(loss, static_argnums=1)(full_dp, oracle_cfg, policy_logits)[0]
@@ -126,13 +133,7 @@ def test_targets_from_the_hidden_state_use_only_the_draft_columns_of_the_head():
 
   vg = jax.jit(jax.value_and_grad(loss, has_aux=True))
   (got, gm), g_got = vg(dp, h, w)
-  (want, wm), g_want = vg(dp, jnp.einsum("bse,ev->bsv", h, w), None)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  for k in range(dcfg.ttt_steps):
-    np.testing.assert_allclose(gm[f"ttt_acc_{k}"], wm[f"ttt_acc_{k}"])
-  for name in g_got:
-    a, b = np.asarray(g_got[name]), np.asarray(g_want[name])
-    assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-12), name
+  _assert_same_loss(vg(dp, jnp.einsum("bse,ev->bsv", h, w), None), (got, gm), g_got, dcfg, 1e-5)
 
 
 def test_sd_with_a_reduced_draft_is_greedy_exact_and_samples_only_what_the_policy_allows():
