@@ -3,6 +3,9 @@ proposed tokens per round, each draft distilled for the same steps.
 
 Run:   python experiments/bench_drafts.py --config=configs/bench_drafts.py --workdir=docs/results/bench_drafts
 Smoke: python experiments/bench_drafts.py --config=configs/bench_drafts.py:smoke --workdir=/tmp/bd
+Deeper block drafts (DFlash and DSpark of 2 layers; EAGLE-3 keeps its one):
+       python experiments/bench_drafts.py --config=configs/bench_drafts.py:layers=2 \
+         --workdir=docs/results/bench_drafts_layers2
 
 The task and model of configs/bench_rollout.py (a 12-layer policy; one-layer drafts; the
 one-format arithmetic scratchpad, 40 new tokens, temperature 1), with G = 3 proposals a round
@@ -17,9 +20,12 @@ from specdraft.config import parse_arg
 
 def get_config(arg: str | None = None):
   """`:markov` (with or without smoke): DFlash, DSpark and DSpark without its Markov head
-  ("dspark:markov_rank=0"), the ablation that says whether the head raises tau."""
-  arg = parse_arg(arg, smoke=False, num_draft=3, markov=False)
+  ("dspark:markov_rank=0"), the ablation that says whether the head raises tau. `:layers=N`:
+  the block drafts (DFlash, DSpark) with N layers (DFlash's reference uses several; one pass of
+  an N-layer block draft still costs less than EAGLE-3's G one-layer passes for N < G)."""
+  arg = parse_arg(arg, smoke=False, num_draft=3, markov=False, layers=1)
   c = bench_rollout.get_config("smoke" if arg.smoke else None)
+  c.draft.block.n_layers = arg.layers
   G = arg.num_draft
   c.decode.num_draft = G
   c.draft.ttt_steps = G  # EAGLE-3 trains as many TTT steps as it proposes
@@ -28,8 +34,9 @@ def get_config(arg: str | None = None):
     kinds=("dflash", "dspark", "dspark:markov_rank=0")
     if arg.markov
     # the last entry is the anchor-slot ablation (its residual at the token's embedding, which
-    # the tied head reads back as that token; DSpark's default starts it at MASK)
-    else ("eagle3", "dflash", "dspark", "dspark:anchor_residual=token"),
+    # the tied head reads back as that token; DSpark's default starts it at MASK), run with the
+    # one-layer default only
+    else ("eagle3", "dflash", "dspark") + (("dspark:anchor_residual=token",) * (arg.layers == 1)),
     batch_sizes=(1, 4) if arg.smoke else (1, 8, 32, 128),
     num_draft=G,
     temperature=1.0,

@@ -104,6 +104,7 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       "max_new_tokens": b.max_new_tokens,
       "repeats": b.repeats,
       "policy_layers": base.pcfg.n_layers,
+      "block_layers": int(config.draft.block.n_layers),
       "d_model": base.pcfg.d_model,
       "draft_steps": config.draft.pretrain_steps,
       "sft_steps": config.sft.steps,

@@ -183,11 +183,16 @@ def drafts_compare(r: dict) -> str:
     for kind in kinds
     if "ttt_acc" in r["training"][kind]
   )
+  layers = int(k.get("block_layers", 1))
+  title = "### Drafts: EAGLE-3, DFlash and DSpark on one policy" + (
+    f" (block drafts of {layers} layers)" if layers > 1 else ""
+  )
   head = (
-    "### Drafts: EAGLE-3, DFlash and DSpark on one policy\n\n"
+    title + "\n\n"
     f"One SFT policy ({k['policy_layers']} layers, d={k['d_model']}, {k['sft_steps']} SFT steps); "
     f"each draft distilled from it for {k['draft_steps']} steps; every draft proposes "
-    f"G = {k['num_draft']} tokens a round (EAGLE-3 with K = {k['num_draft']} TTT steps, DFlash "
+    f"G = {k['num_draft']} tokens a round (EAGLE-3, one layer, with K = {k['num_draft']} TTT "
+    f"steps; block drafts of {layers} layer{'s' if layers > 1 else ''}: DFlash "
     f"with blocks of {k['num_draft'] + 1}, DSpark with blocks of {k['num_draft']}); temperature "
     f"{k['temperature']:g}, {k['max_new_tokens']} new tokens; AR and SD with every draft timed "
     f"side by side ({k['repeats']} repeats; speedup over AR). Final distillation losses (each "
@@ -843,6 +848,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_drafts_markov/results.json", lambda r, d: drafts_markov(r)),
+  ("docs/results/bench_drafts_layers2/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
   ("docs/results/bench_long/results.json", long),
