@@ -168,26 +168,30 @@ def activation_constraint(mesh, rules=None):
   else: its width is never sharded, so a layer's weights sharded over fsdp are all-gathered for
   their matmuls (the FSDP pattern) and tensor-parallel weights leave a partial sum that is
   all-reduced back to whole rows (Megatron's), instead of the compiler resharding or all-reducing
-  activations as wide as the batch. Axes that are manual where it is traced (cp and pp inside the
-  training steps' shard_maps) are left out of the constraint; they already split the array.
-  Without it XLA's sharding propagation follows the weights into the activations (the 'embed'
-  rule shards weights' width over fsdp), which at scale moves activations, not weights.
-  """
+  activations as wide as the batch. Without it XLA's sharding propagation follows the weights
+  into the activations (the 'embed' rule shards weights' width over fsdp), which at scale moves
+  activations, not weights. Inside another shard_map (the steps under cp or pp) it does nothing
+  (see `constrain`)."""
   if mesh is None or mesh.size == 1:
     return None
   axes = _batch_axes(mesh, rules)
 
   def constrain(x):
     am = jax.sharding.get_abstract_mesh()
-    manual = set() if am.empty else set(am.manual_axes)
-    target = mesh if am.empty else am
-    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
+    if not am.empty and am.manual_axes:
+      # Inside the cp and pp steps' shard_maps the stream is left to the compiler: pinned
+      # there, the ring's per-tile skip test (an `any` over the batch) became an all-reduce over
+      # data inside the ring loop, beside the ring's own permutes, and the CPU runtime started
+      # the two in different orders on different devices and deadlocked (tp2_cp2_dp2,
+      # pp2_cp2_dp2 in tests/test_compare_layouts.py).
+      return x
+    keep = tuple(a for a in axes if mesh.shape[a] > 1)
     rows = math.prod(mesh.shape[a] for a in keep)
     if x.shape[0] % max(rows, 1):
       keep = ()
     first = None if not keep else (keep[0] if len(keep) == 1 else keep)
     spec = PartitionSpec(first, *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
   return constrain
 
@@ -207,26 +211,28 @@ def rows_local(mesh, rules=None):
   device accumulates its own rows' contribution to the weights' gradient, and the shard_map's
   boundary sums it over the devices once (its transpose of an input whole on every device),
   where the compiler, left to itself, reduces a weight-sized gradient on every iteration of the
-  loop (and gathers the weight on every iteration too). Axes already manual where it is traced
-  (cp inside the training steps' shard_map) are left out. The pipelined steps do not use it:
-  nested in the pipeline's shard_map, which checks varying axes, it loses the annotations of
-  the cotangents it returns."""
+  loop (and gathers the weight on every iteration too). Inside another shard_map (the steps
+  under cp) the loop runs as it is (see `run`). The pipelined steps do not use it: nested in
+  the pipeline's shard_map, which checks varying axes, it loses the annotations of the
+  cotangents it returns."""
   if mesh is None or mesh.size == 1:
     return None
   axes = _batch_axes(mesh, rules)
 
   def run(fn, params, xs):
     am = jax.sharding.get_abstract_mesh()
-    manual = set() if am.empty else set(am.manual_axes)
-    target = mesh if am.empty else am
-    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
+    keep = tuple(a for a in axes if mesh.shape[a] > 1)
     rows = math.prod(mesh.shape[a] for a in keep)
-    if not keep or any(x.shape[0] % rows for x in xs):
+    # Not inside another shard_map (the cp steps): there its boundary's gradient sum over the
+    # batch axes is independent of the ring's permutes, and the CPU runtime, whose devices
+    # share a small thread pool, was seen to start the two in different orders on different
+    # devices and deadlock (tp2_cp2_dp2).
+    if not keep or (not am.empty and am.manual_axes) or any(x.shape[0] % rows for x in xs):
       return fn(params, *xs)
     spec = PartitionSpec(keep[0] if len(keep) == 1 else keep)
     return jax.shard_map(
       fn,
-      mesh=target,
+      mesh=mesh,
       in_specs=(PartitionSpec(), *(spec for _ in xs)),
       out_specs=spec,
       axis_names=set(keep),
