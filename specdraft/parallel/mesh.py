@@ -179,11 +179,12 @@ def activation_constraint(mesh, rules=None):
   def constrain(x):
     am = jax.sharding.get_abstract_mesh()
     if not am.empty and am.manual_axes:
-      # Inside the cp and pp steps' shard_maps the stream is left to the compiler: pinned
-      # there, the ring's per-tile skip test (an `any` over the batch) became an all-reduce over
-      # data inside the ring loop, beside the ring's own permutes, and the CPU runtime started
-      # the two in different orders on different devices and deadlocked (tp2_cp2_dp2,
-      # pp2_cp2_dp2 in tests/test_compare_layouts.py).
+      # Inside the cp and pp steps' shard_maps the stream is left to the compiler. Pinned
+      # there, tp2_cp2_dp2 and pp2_cp2_dp2 aborted in the CPU runtime's rendezvous (some devices
+      # in an all-reduce over data, the others in the ring's permute) in runs that shared a
+      # long-lived persistent compilation cache; the same tests later also aborted with this
+      # guard in place under that cache and passed from a fresh one, so the cause is not
+      # settled. Kept off until it is.
       return x
     keep = tuple(a for a in axes if mesh.shape[a] > 1)
     rows = math.prod(mesh.shape[a] for a in keep)
