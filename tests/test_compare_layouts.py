@@ -271,6 +271,35 @@ def test_fsdp_moves_weights_once_not_activations(monkeypatch):
   assert control["collective_bytes"] > 8 * n, (control["collectives"], n)
 
 
+def _skip_test_collectives(name: str) -> list:
+  """The collectives of the smoke co-training step under layout `name` that come from the
+  attention's per-tile skip test (an `any` over the batch: reduce_or), with how often they run."""
+  s = cl.make_setup(compare_config.get_config("smoke"), host_batch=False)
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  text = cl.compile_layout(s, lay, sft=False)["compiled"].as_text()
+  return [
+    (c.kind, c.runs, c.op_name)
+    for c in hlo_lib.collectives(text, lay.devices)
+    if c.op_name.endswith("reduce_or")
+  ]
+
+
+@pytest.mark.parametrize("name", ["dp8", "tp2_cp2_dp2"])
+def test_attention_tile_loops_do_not_communicate(name, monkeypatch):
+  """The attention's tile loops skip a tile pair that no row of the batch sees: a test over the
+  whole batch, which, with the batch split over data, XLA made an all-reduce per tile pair inside
+  the loops (beside the ring's permutes; the CPU runtime's rendezvous aborts under tp2_cp2_dp2 and
+  pp2_cp2_dp2). With the mask metadata whole on every device (`mesh.metadata_constraint`) the
+  test is local: no collective comes from it. The control, without it, has them."""
+  assert _skip_test_collectives(name) == []
+  if name == "tp2_cp2_dp2":
+    from specdraft.parallel import mesh as mesh_lib
+
+    monkeypatch.setattr(mesh_lib, "metadata_constraint", lambda mesh: None)
+    control = _skip_test_collectives(name)
+    assert control and all(k == "all-reduce" for k, _, _ in control), control
+
+
 @pytest.mark.slow
 def test_plan_compiles_abstract_inputs_on_eight_devices(capsys):
   """The plan at smoke size on the 8 test devices: fsdp shards the arguments (the policy's and

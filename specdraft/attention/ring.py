@@ -128,6 +128,22 @@ def _live(seg_BL, a0, size):
   return (_dyn(seg_BL, a0, size) != 0).any()
 
 
+def _skip_meta(whole, pos_BL, seg_BL):
+  """(positions, segment ids) for the tile loops' skip tests. A test asks whether ANY row of the
+  batch sees a tile pair, so with the batch split over devices (data, fsdp: automatic axes) it
+  would be an all-reduce in the innermost loop; `whole` (`parallel.mesh.metadata_constraint`)
+  makes these copies whole on every device, gathered once here, so the test is local and decided
+  alike everywhere. The masks themselves read the inputs as they are (each device its rows)."""
+  if whole is None:
+    return pos_BL, seg_BL
+  return whole(pos_BL), whole(seg_BL)
+
+
+def _kv_meta(kv):
+  """The skip test's (key positions, key segment ids) of a travelling K/V block."""
+  return kv[4:6] if len(kv) == 6 else kv[2:4]
+
+
 def _put(x, update, start, axis=1):
   return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
 
@@ -190,9 +206,12 @@ def _for(n, body, init):
 # ----------------------------------------------------------------------------- forward
 
 
-def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, state, count, kv):
-  """Every local query tile against one trunk K/V block, skipping pairs with nothing visible."""
-  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv
+def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count, kv):
+  """Every local query tile against one trunk K/V block, skipping pairs with nothing visible
+  (decided on `meta`, the skip test's metadata: `_skip_meta`)."""
+  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
+  wpos_BL, wseg_BL = meta
+  wkpos_BL, wkseg_BL = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -200,6 +219,7 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, state, count, kv):
     (m_all, l_all, acc_all), count = carry
     a0 = i * pl.A
     qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
+    wqpos, wqseg = _dyn(wpos_BL, a0, pl.A), _dyn(wseg_BL, a0, pl.A)
     st = tuple(_rows_tile(pl, x, a0) for x in (m_all, l_all, acc_all))
 
     def k_body(j, carry):
@@ -216,7 +236,8 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, state, count, kv):
         mask = _row_mask(pl, vis, qpos, kpos)
         return _online(st, s, mask, lambda p: jnp.einsum("barknt,btkd->barknd", p, v_t))
 
-      any_vis = _computed(pl, vis)
+      wk = (_dyn(wkpos_BL, t0, pl.T), _dyn(wkseg_BL, t0, pl.T))
+      any_vis = _computed(pl, _visible_AT(pl, wqpos, wqseg, *wk))
       st = _when(any_vis, compute, st)
       return st, count + any_vis.astype(jnp.int32)
 
@@ -250,7 +271,7 @@ def _put_branch_rows(x_BLRH, t_BAWKQ, a0, pl: _Plan):
   return jax.lax.dynamic_update_slice(x_BLRH, t.astype(x_BLRH.dtype), start)
 
 
-def _attend_branch(pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, state):
+def _attend_branch(pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, wseg_BL, state):
   """Each anchor's branch queries against its own branch keys (rank-local, no collective)."""
 
   def q_body(i, state):
@@ -263,13 +284,14 @@ def _attend_branch(pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, state):
       st = _online(st, s, mask, lambda p: jnp.einsum("bajkni,baikd->bajknd", p, v_t))
       return tuple(_put_branch_rows(x, t, a0, pl) for x, t in zip(state, st))
 
-    return _when(_live(seg_BL, a0, pl.A), compute, state)
+    return _when(_live(wseg_BL, a0, pl.A), compute, state)
 
   return _for(pl.L // pl.A, q_body, state)
 
 
 def _forward(
-  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile, acc_dtype, skip=True
+  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile, acc_dtype, skip=True,
+  whole=None,
 ):
   """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs."""
   pl = _plan(q, k, q_br, branch, tile, skip)
@@ -281,10 +303,11 @@ def _forward(
     jnp.zeros((B, L, R, H, D), acc_dtype),
   )
   state, count = _vary((state, jnp.zeros((), jnp.int32)), axes)
+  meta = _skip_meta(whole, pos, seg)
   if pl.W:
-    state = _attend_branch(pl, q_br, k_br, v_br, seg, state)
-  attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg)
-  kv = (k, v, pos, seg)
+    state = _attend_branch(pl, q_br, k_br, v_br, seg, meta[1], state)
+  attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg, meta)
+  kv = (k, v, pos, seg) + (meta if whole is not None else ())
   if cp > 1:
     perm = [(j, (j + 1) % cp) for j in range(cp)]
 
@@ -320,7 +343,7 @@ def _put_pair(pl: _Plan, pair, t_BARKND, a0):
   return _put(pair[0], t[:, :, 0], a0), _put(pair[1], t[:, :, 1:], a0)
 
 
-def _delta_rows(pl: _Plan, dos, outs, seg_BL, axes):
+def _delta_rows(pl: _Plan, dos, outs, wseg_BL, axes):
   """delta = rowsum(dO * O) per row and head, [B, L, R, H] float32, tile by tile."""
 
   def body(i, delta):
@@ -330,16 +353,19 @@ def _delta_rows(pl: _Plan, dos, outs, seg_BL, axes):
       d = jnp.sum(_pair_tile(pl, dos, a0) * _pair_tile(pl, outs, a0), axis=-1)
       return _put(delta, d.reshape(pl.B, pl.A, pl.R, pl.H), a0)
 
-    return _when(_live(seg_BL, a0, pl.A), compute, delta)
+    return _when(_live(wseg_BL, a0, pl.A), compute, delta)
 
   return _for(pl.L // pl.A, body, _vary(jnp.zeros((pl.B, pl.L, pl.R, pl.H), _F32), axes))
 
 
-def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
-  """dq of every local query tile, dK/dV of one trunk block; invisible pairs skipped."""
+def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
+  """dq of every local query tile, dK/dV of one trunk block; invisible pairs skipped (decided on
+  `meta`, as in the forward)."""
   q_BLHD, q_BLWHD = qs
   do_BLHD, do_BLWHD, lse_BLRH, delta_BLRH = gs
-  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv
+  k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
+  wpos_BL, wseg_BL = meta
+  wkpos_BL, wkseg_BL = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -350,6 +376,7 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
     finite = jnp.isfinite(lse_t)
     lse_t = jnp.where(finite, lse_t, 0.0)
     qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
+    wqpos, wqseg = _dyn(wpos_BL, a0, pl.A), _dyn(wseg_BL, a0, pl.A)
 
     def k_body(j, carry):
       dq_t, dk, dv, count = carry
@@ -375,7 +402,8 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
         dv = _put(dv, _dyn(dv, t0, pl.T) + dv_t, t0)
         return dq_t, dk, dv
 
-      any_vis = _computed(pl, vis)
+      wk = (_dyn(wkpos_BL, t0, pl.T), _dyn(wkseg_BL, t0, pl.T))
+      any_vis = _computed(pl, _visible_AT(pl, wqpos, wqseg, *wk))
       dq_t, dk, dv = _when(any_vis, compute, (dq_t, dk, dv))
       return dq_t, dk, dv, count + any_vis.astype(jnp.int32)
 
@@ -387,7 +415,8 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, carry, kv):
 
 
 def _branch_bwd(
-  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD, axes
+  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, wseg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD,
+  axes,
 ):
   """Closed-form gradients of the rank-local branch block from the final lse."""
   dk_br = _vary(jnp.zeros(k_BLWKD.shape, k_BLWKD.dtype), axes)
@@ -416,12 +445,12 @@ def _branch_bwd(
       dv_br = _put(dv_br, jnp.einsum("bajkni,bajknd->baikd", p, do_t), a0)
       return dq, dk_br, dv_br
 
-    return _when(_live(seg_BL, a0, pl.A), compute, carry)
+    return _when(_live(wseg_BL, a0, pl.A), compute, carry)
 
   return _for(pl.L // pl.A, q_body, (dq_BLWHD, dk_br, dv_br))
 
 
-def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
+def _backward(branch, axis_name, cp, tile, acc_dtype, skip, whole, res, cotangents):
   del acc_dtype  # the backward always accumulates in float32
   q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse = res
   do, do_br, dlse = cotangents
@@ -429,17 +458,21 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
   axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br, dlse)
   # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent on lse adds P * dlse
   # (d lse / d s = P), i.e. delta - dlse. Rows with nothing visible have P = 0 either way.
-  delta = _delta_rows(pl, (do, do_br), (out, out_br), seg, axes)
+  meta = _skip_meta(whole, pos, seg)
+  delta = _delta_rows(pl, (do, do_br), (out, out_br), meta[1], axes)
   delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(_F32), 0.0)
   # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
   # final casts read them in place)
   dq, dq_br = _vary((jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)), axes)
   if pl.W:
-    dq_br, dk_br, dv_br = _branch_bwd(pl, q_br, k_br, v_br, seg, do_br, lse, delta, dq_br, axes)
+    dq_br, dk_br, dv_br = _branch_bwd(
+      pl, q_br, k_br, v_br, seg, meta[1], do_br, lse, delta, dq_br, axes
+    )
   else:
     dk_br, dv_br = _vary((jnp.zeros_like(k_br), jnp.zeros_like(v_br)), axes)
-  attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), (do, do_br, lse, delta), pos, seg)
-  kv = (k, v, pos, seg)
+  gs = (do, do_br, lse, delta)
+  attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), gs, pos, seg, meta)
+  kv = (k, v, pos, seg) + (meta if whole is not None else ())
   zeros = _vary(jnp.zeros(k.shape, _F32), axes)
   count0 = _vary(jnp.zeros((), jnp.int32), axes)
   dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, count0), kv)
@@ -471,14 +504,19 @@ def _like(ct, primal):
 # ----------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
-def _ring(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+def _ring(
+  q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole
+):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
-  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:3]
+  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, whole=whole)[:3]
 
 
-def _ring_fwd(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip):
+def _ring_fwd(
+  q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole
+):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
+  kw["whole"] = whole
   out, out_br, lse, _ = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
   return (out, out_br, lse), (q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse)
 
@@ -505,6 +543,7 @@ def ring_attention_shard(
   skip_empty=True,
   return_work=False,
   return_lse=False,
+  whole=None,
 ):
   """Per-device ring trunk + local branch attention (call inside shard_map).
 
@@ -518,7 +557,9 @@ def ring_attention_shard(
   in the forward (the backward computes the same pairs). `return_lse=True` also returns the
   float32 log-sum-exp of every query row, lse [B,L,R,H] (R = 1 + W: the trunk row, then the
   branch rows; -inf where nothing is visible), differentiable like the outputs, for merging with
-  attention over other keys (`blockwise.merge`).
+  attention over other keys (`blockwise.merge`). `whole` (`parallel.mesh.metadata_constraint`,
+  when the batch is split over automatic mesh axes) keeps the tile loops' skip tests local:
+  see `_skip_meta`.
   """
   if q.shape[1] % 2:
     raise ValueError(f"local length {q.shape[1]} must be two equal zigzag chunks (S % 2cp == 0)")
@@ -529,6 +570,7 @@ def ring_attention_shard(
     tile=tile,
     acc_dtype=accumulate_dtype,
     skip=skip_empty,
+    whole=whole,
   )
   if return_work:
     out, out_br, _, count = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
@@ -590,7 +632,8 @@ def allgather_attention_shard(
 
 
 def trunk_attention_shard(
-  q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512, return_lse=False, custom_grad=True
+  q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512, return_lse=False, custom_grad=True,
+  whole=None,
 ):
   """Packed causal attention of a trunk with no branch (W = 0): the policy's layers in training,
   and (with `return_lse`) the trunk part of a draft's TTT branch rows (model/eagle3.py).
@@ -601,7 +644,8 @@ def trunk_attention_shard(
   order-preserving position within a segment, e.g. the RoPE positions). An odd L (cp = 1 only)
   is padded by one invisible row. Returns out [B,L,H,D] in q's dtype, and with `return_lse` also
   lse [B,H,L] float32 (-inf where nothing is visible; the convention of `blockwise.merge`).
-  `custom_grad=False` differentiates the forward by autodiff (the reference in tests)."""
+  `custom_grad=False` differentiates the forward by autodiff (the reference in tests); `whole`
+  as in `ring_attention_shard`."""
   B, L, H, D = q.shape
   K = k.shape[2]
   odd = L % 2
@@ -626,6 +670,7 @@ def trunk_attention_shard(
     tile=tile,
     custom_grad=custom_grad,
     return_lse=True,
+    whole=whole,
   )
   if return_lse:
     return out[:, :L], jnp.moveaxis(lse[:, :L, 0], 1, 2)

@@ -217,6 +217,7 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _GROUP_AXIS = re.compile(r"'([^']+)'(?::\((\d+)\)(\d+))?")
 _PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +228,7 @@ class Collective:
   result_bytes: int  # per device, one execution (the gathered buffer for all-gather)
   group_size: int  # devices that take part together (n)
   runs: int  # executions per program run (enclosing loop trip counts)
+  op_name: str = ""  # the JAX op path from the metadata (which source op it came from)
 
   @property
   def sent_bytes(self) -> float:
@@ -311,6 +313,7 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
           result_bytes=_result_bytes(kind, is_start, shape_text),
           group_size=_group_size(line, num_devices),
           runs=max(runs.get(comp, 1), 1),
+          op_name=(lambda m: m.group(1) if m else "")(_OP_NAME.search(line)),
         )
       )
   return out

@@ -170,31 +170,51 @@ def activation_constraint(mesh, rules=None):
   all-reduced back to whole rows (Megatron's), instead of the compiler resharding or all-reducing
   activations as wide as the batch. Without it XLA's sharding propagation follows the weights
   into the activations (the 'embed' rule shards weights' width over fsdp), which at scale moves
-  activations, not weights. Inside another shard_map (the steps under cp or pp) it does nothing
-  (see `constrain`)."""
+  activations, not weights. Inside the cp and pp steps' shard_maps it pins the stream too, over
+  the batch axes that are still automatic there."""
   if mesh is None or mesh.size == 1:
     return None
   axes = _batch_axes(mesh, rules)
 
   def constrain(x):
     am = jax.sharding.get_abstract_mesh()
-    if not am.empty and am.manual_axes:
-      # Inside the cp and pp steps' shard_maps the stream is left to the compiler. Pinned
-      # there, tp2_cp2_dp2 and pp2_cp2_dp2 aborted in the CPU runtime's rendezvous (some devices
-      # in an all-reduce over data, the others in the ring's permute) in runs that shared a
-      # long-lived persistent compilation cache; the same tests later also aborted with this
-      # guard in place under that cache and passed from a fresh one, so the cause is not
-      # settled. Kept off until it is.
-      return x
-    keep = tuple(a for a in axes if mesh.shape[a] > 1)
+    # inside the cp and pp steps' shard_maps: the abstract mesh, the manual axes left out (they
+    # already split the array)
+    manual = set() if am.empty else set(am.manual_axes)
+    target = mesh if am.empty else am
+    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     rows = math.prod(mesh.shape[a] for a in keep)
     if x.shape[0] % max(rows, 1):
       keep = ()
     first = None if not keep else (keep[0] if len(keep) == 1 else keep)
     spec = PartitionSpec(first, *([None] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
   return constrain
+
+
+def metadata_constraint(mesh):
+  """whole(x) for the attention's mask metadata (positions and segment ids [B, L], int32) under
+  `mesh`: the array replicated over every automatic mesh axis (a manual axis, cp inside the
+  steps' shard_maps, keeps splitting it), or None on one device.
+
+  The attention's tile loops skip a (query tile, key tile) pair when no row of the batch sees
+  any of its keys, a test over the whole batch. With the batch split over data or fsdp that
+  test became an all-reduce inside the innermost loops, one per tile pair, per layer, per ring
+  step, in the forward and the backward: latency on every accelerator, and on the CPU runtime
+  small collectives over the batch axes interleaved with the ring's permutes (the rendezvous
+  aborts tp2_cp2_dp2 and pp2_cp2_dp2 had). With the metadata whole on every device (one gather
+  of two int32 arrays per attention call, outside its loops) the test is local, decided alike on
+  every device, and nothing in the loops communicates but the ring itself."""
+  if mesh is None or mesh.size == 1:
+    return None
+
+  def whole(x):
+    am = jax.sharding.get_abstract_mesh()
+    target = mesh if am.empty else am
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, PartitionSpec()))
+
+  return whole
 
 
 def _batch_axes(mesh, rules=None) -> tuple[str, ...]:
@@ -212,8 +232,8 @@ def rows_local(mesh, rules=None):
   device accumulates its own rows' contribution to the weights' gradient, and the shard_map's
   boundary sums it over the devices once (its transpose of an input whole on every device),
   where the compiler, left to itself, reduces a weight-sized gradient on every iteration of the
-  loop (and gathers the weight on every iteration too). Inside another shard_map (the steps
-  under cp) the loop runs as it is (see `run`). The pipelined steps do not use it: nested in
+  loop (and gathers the weight on every iteration too). Inside the cp steps' shard_map it nests,
+  manual over the batch axes that are automatic there. The pipelined steps do not use it: nested in
   the pipeline's shard_map, which checks varying axes, it loses the annotations of the
   cotangents it returns."""
   if mesh is None or mesh.size == 1:
@@ -222,18 +242,17 @@ def rows_local(mesh, rules=None):
 
   def run(fn, params, xs):
     am = jax.sharding.get_abstract_mesh()
-    keep = tuple(a for a in axes if mesh.shape[a] > 1)
+    # inside the cp step's shard_map: nested in it, manual over the batch axes still automatic
+    manual = set() if am.empty else set(am.manual_axes)
+    target = mesh if am.empty else am
+    keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     rows = math.prod(mesh.shape[a] for a in keep)
-    # Not inside another shard_map (the cp steps): there its boundary's gradient sum over the
-    # batch axes is independent of the ring's permutes, and the CPU runtime, whose devices
-    # share a small thread pool, was seen to start the two in different orders on different
-    # devices and deadlock (tp2_cp2_dp2).
-    if not keep or (not am.empty and am.manual_axes) or any(x.shape[0] % rows for x in xs):
+    if not keep or any(x.shape[0] % rows for x in xs):
       return fn(params, *xs)
     spec = PartitionSpec(keep[0] if len(keep) == 1 else keep)
     return jax.shard_map(
       fn,
-      mesh=mesh,
+      mesh=target,
       in_specs=(PartitionSpec(), *(spec for _ in xs)),
       out_specs=spec,
       axis_names=set(keep),

@@ -124,6 +124,9 @@ class Shards:
   # pins the policy trunk's residual stream to rows over (data, fsdp) (None: one device);
   # `parallel.mesh.activation_constraint`
   constrain: object = None
+  # the attention's mask metadata whole on every device, so its tile loops' skip test is local
+  # (None: one device); `parallel.mesh.metadata_constraint`
+  whole: object = None
 
   def shift(self, x, n: int, fill=0):
     """x[t + n] in the row's global order (`fill` past the row's end)."""
@@ -145,7 +148,7 @@ class Shards:
     """attend(q, k, v, positions, segment_ids): the policy layers' packed causal attention on
     this shard."""
     return lambda q, k, v, pos, seg: ring.trunk_attention_shard(
-      q, k, v, seg, pos, axis_name=self.axis, cp=self.cp, tile=self.tile
+      q, k, v, seg, pos, axis_name=self.axis, cp=self.cp, tile=self.tile, whole=self.whole
     )
 
   def branch(self, positions_BS, segment_ids_BS):
@@ -161,6 +164,7 @@ class Shards:
       cp=self.cp,
       tile=self.tile,
       return_lse=True,
+      whole=self.whole,
     )
     return eagle3.attend_by_merge(trunk, segment_ids_BS)
 
@@ -177,7 +181,7 @@ class Shards:
       return ring.ring_attention_shard(
         q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS.astype(jnp.int32),
         positions_BS.astype(jnp.int32), branch="block", axis_name=self.axis, cp=self.cp,
-        tile=self.tile,
+        tile=self.tile, whole=self.whole,
       )[1]  # fmt: skip
 
     return attend
@@ -191,14 +195,15 @@ def run(
   cp = cp_size(mesh, cp_axis)
   check_laid_out(batch, cp)
   pin = mesh_lib.activation_constraint(mesh)
+  whole = mesh_lib.metadata_constraint(mesh)
   local = chunked.rows_local(mesh_lib.rows_local(mesh))
   if cp == 1:
     with local:
-      return body(Shards(tile=tile, remat=remat, constrain=pin), *params, batch)
+      return body(Shards(tile=tile, remat=remat, constrain=pin, whole=whole), *params, batch)
   tok = PartitionSpec(None, cp_axis)
   batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
   fn = jax.shard_map(
-    functools.partial(body, Shards(cp, cp_axis, tile, remat, pin)),
+    functools.partial(body, Shards(cp, cp_axis, tile, remat, pin, whole)),
     mesh=mesh,
     in_specs=(*(PartitionSpec() for _ in params), batch_specs),
     out_specs=PartitionSpec(),
@@ -220,7 +225,9 @@ def run_pipelined(
   cp = cp_size(mesh)
   check_laid_out(batch, cp)
   pin = mesh_lib.activation_constraint(mesh)
-  shards = Shards(cp, "cp", tile, constrain=pin) if cp > 1 else Shards(tile=tile, constrain=pin)
+  whole = mesh_lib.metadata_constraint(mesh)
+  shards = Shards(cp, "cp", tile, constrain=pin, whole=whole) if cp > 1 else None
+  shards = shards or Shards(tile=tile, constrain=pin, whole=whole)
   # (the last stage's vocabulary loops run as they are: `mesh.rows_local`'s shard_map nested in
   # the pipeline's, which checks varying axes, loses its cotangents' annotations)
   return pipelined.loss(
