@@ -290,7 +290,21 @@ def _attend_branch(pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, wseg_BL, state)
 
 
 def _forward(
-  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile, acc_dtype, skip=True,
+  q,
+  k,
+  v,
+  q_br,
+  k_br,
+  v_br,
+  seg,
+  pos,
+  *,
+  branch,
+  axis_name,
+  cp,
+  tile,
+  acc_dtype,
+  skip=True,
   whole=None,
 ):
   """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs."""
@@ -415,7 +429,16 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
 
 
 def _branch_bwd(
-  pl: _Plan, q_BLWHD, k_BLWKD, v_BLWKD, seg_BL, wseg_BL, do_BLWHD, lse_BLRH, delta_BLRH, dq_BLWHD,
+  pl: _Plan,
+  q_BLWHD,
+  k_BLWKD,
+  v_BLWKD,
+  seg_BL,
+  wseg_BL,
+  do_BLWHD,
+  lse_BLRH,
+  delta_BLRH,
+  dq_BLWHD,
   axes,
 ):
   """Closed-form gradients of the rank-local branch block from the final lse."""
@@ -505,9 +528,7 @@ def _like(ct, primal):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
-def _ring(
-  q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole
-):
+def _ring(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
   return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, whole=whole)[:3]
 
@@ -632,7 +653,17 @@ def allgather_attention_shard(
 
 
 def trunk_attention_shard(
-  q, k, v, seg, pos, *, axis_name=None, cp=1, tile=512, return_lse=False, custom_grad=True,
+  q,
+  k,
+  v,
+  seg,
+  pos,
+  *,
+  axis_name=None,
+  cp=1,
+  tile=512,
+  return_lse=False,
+  custom_grad=True,
   whole=None,
 ):
   """Packed causal attention of a trunk with no branch (W = 0): the policy's layers in training,
