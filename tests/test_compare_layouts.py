@@ -303,7 +303,7 @@ def test_attention_tile_loops_do_not_communicate(name, monkeypatch):
 @pytest.mark.slow
 def test_plan_compiles_abstract_inputs_on_eight_devices(capsys):
   """The plan at smoke size on the 8 test devices: fsdp shards the arguments (the policy's and
-  the draft's) and trades the gradient all-reduce for all-gathers."""
+  the draft's) and gathers its weights."""
   c = compare_config.get_config("smoke")
   c.compare.plan.devices = 8
   c.compare.plan.batch_size = 16
@@ -313,7 +313,11 @@ def test_plan_compiles_abstract_inputs_on_eight_devices(capsys):
   assert rows["fsdp8"]["argument_bytes"] < rows["dp8"]["argument_bytes"] / 2
   assert rows["dp8"]["collectives"]["all-reduce"]["sent_bytes"] > 0
   assert rows["fsdp8"]["collectives"]["all-gather"]["sent_bytes"] > 0
-  assert rows["dp8"]["collectives"]["all-gather"]["sent_bytes"] == 0
+  # dp8 gathers only the attention's mask metadata (int32 positions and segment ids, for the
+  # tile loops' skip test: `mesh.metadata_constraint`; measured 6.6x below fsdp8's gathers at
+  # this size), fsdp8 the weights besides
+  gathered = {k: rows[k]["collectives"]["all-gather"]["sent_bytes"] for k in ("dp8", "fsdp8")}
+  assert gathered["dp8"] < gathered["fsdp8"] / 3, gathered
   assert "fsdp8" in capsys.readouterr().out
 
 

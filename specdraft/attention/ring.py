@@ -129,19 +129,37 @@ def _live(seg_BL, a0, size):
 
 
 def _skip_meta(whole, pos_BL, seg_BL):
-  """(positions, segment ids) for the tile loops' skip tests. A test asks whether ANY row of the
-  batch sees a tile pair, so with the batch split over devices (data, fsdp: automatic axes) it
-  would be an all-reduce in the innermost loop; `whole` (`parallel.mesh.metadata_constraint`)
-  makes these copies whole on every device, gathered once here, so the test is local and decided
-  alike everywhere. The masks themselves read the inputs as they are (each device its rows)."""
+  """(positions, segment ids) for the tile loops' skip tests, or None when they are the masks'
+  own. A test asks whether ANY row of the batch sees a tile pair, so with the batch split over
+  devices (data, fsdp: automatic axes) it would be an all-reduce in the innermost loop; `whole`
+  (`parallel.mesh.metadata_constraint`) makes these copies whole on every device, gathered before
+  the loops (and kept for the backward), so the test is local and decided alike everywhere. The
+  masks themselves read the inputs as they are (each device its rows)."""
   if whole is None:
-    return pos_BL, seg_BL
-  return whole(pos_BL), whole(seg_BL)
+    return None
+  meta = (whole(pos_BL), whole(seg_BL))
+  return None if (meta[0] is pos_BL and meta[1] is seg_BL) else meta
+
+
+def _travelling(meta, pos_BL, seg_BL) -> tuple:
+  """What the skip test's metadata adds to a K/V block that rides the ring: nothing when it is
+  the masks' own."""
+  return () if (meta[0] is pos_BL and meta[1] is seg_BL) else tuple(meta)
 
 
 def _kv_meta(kv):
   """The skip test's (key positions, key segment ids) of a travelling K/V block."""
   return kv[4:6] if len(kv) == 6 else kv[2:4]
+
+
+def _skip_vis(pl: _Plan, vis_BAT, meta, pos_BL, seg_BL, kmeta, a0, t0):
+  """The anchor-level visibility the skip test reads: `vis_BAT` itself when the metadata is the
+  masks' own (one device, or a batch not split), else the same test on the whole metadata."""
+  if meta[0] is pos_BL and meta[1] is seg_BL:
+    return vis_BAT
+  q = (_dyn(meta[0], a0, pl.A), _dyn(meta[1], a0, pl.A))
+  k = (_dyn(kmeta[0], t0, pl.T), _dyn(kmeta[1], t0, pl.T))
+  return _visible_AT(pl, *q, *k)
 
 
 def _put(x, update, start, axis=1):
@@ -210,8 +228,7 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count
   """Every local query tile against one trunk K/V block, skipping pairs with nothing visible
   (decided on `meta`, the skip test's metadata: `_skip_meta`)."""
   k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
-  wpos_BL, wseg_BL = meta
-  wkpos_BL, wkseg_BL = _kv_meta(kv)
+  kmeta = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -219,7 +236,6 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count
     (m_all, l_all, acc_all), count = carry
     a0 = i * pl.A
     qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
-    wqpos, wqseg = _dyn(wpos_BL, a0, pl.A), _dyn(wseg_BL, a0, pl.A)
     st = tuple(_rows_tile(pl, x, a0) for x in (m_all, l_all, acc_all))
 
     def k_body(j, carry):
@@ -236,8 +252,7 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count
         mask = _row_mask(pl, vis, qpos, kpos)
         return _online(st, s, mask, lambda p: jnp.einsum("barknt,btkd->barknd", p, v_t))
 
-      wk = (_dyn(wkpos_BL, t0, pl.T), _dyn(wkseg_BL, t0, pl.T))
-      any_vis = _computed(pl, _visible_AT(pl, wqpos, wqseg, *wk))
+      any_vis = _computed(pl, _skip_vis(pl, vis, meta, pos_BL, seg_BL, kmeta, a0, t0))
       st = _when(any_vis, compute, st)
       return st, count + any_vis.astype(jnp.int32)
 
@@ -305,9 +320,10 @@ def _forward(
   tile,
   acc_dtype,
   skip=True,
-  whole=None,
+  meta=None,
 ):
-  """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs."""
+  """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs;
+  `meta` from `_skip_meta`."""
   pl = _plan(q, k, q_br, branch, tile, skip)
   B, L, R, H, D = pl.B, pl.L, pl.R, pl.H, pl.D
   axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos)
@@ -317,11 +333,11 @@ def _forward(
     jnp.zeros((B, L, R, H, D), acc_dtype),
   )
   state, count = _vary((state, jnp.zeros((), jnp.int32)), axes)
-  meta = _skip_meta(whole, pos, seg)
+  meta = (pos, seg) if meta is None else meta
   if pl.W:
     state = _attend_branch(pl, q_br, k_br, v_br, seg, meta[1], state)
   attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg, meta)
-  kv = (k, v, pos, seg) + (meta if whole is not None else ())
+  kv = (k, v, pos, seg) + _travelling(meta, pos, seg)
   if cp > 1:
     perm = [(j, (j + 1) % cp) for j in range(cp)]
 
@@ -378,8 +394,7 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
   q_BLHD, q_BLWHD = qs
   do_BLHD, do_BLWHD, lse_BLRH, delta_BLRH = gs
   k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
-  wpos_BL, wseg_BL = meta
-  wkpos_BL, wkseg_BL = _kv_meta(kv)
+  kmeta = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -390,7 +405,6 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
     finite = jnp.isfinite(lse_t)
     lse_t = jnp.where(finite, lse_t, 0.0)
     qpos, qseg = _dyn(pos_BL, a0, pl.A), _dyn(seg_BL, a0, pl.A)
-    wqpos, wqseg = _dyn(wpos_BL, a0, pl.A), _dyn(wseg_BL, a0, pl.A)
 
     def k_body(j, carry):
       dq_t, dk, dv, count = carry
@@ -416,8 +430,7 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
         dv = _put(dv, _dyn(dv, t0, pl.T) + dv_t, t0)
         return dq_t, dk, dv
 
-      wk = (_dyn(wkpos_BL, t0, pl.T), _dyn(wkseg_BL, t0, pl.T))
-      any_vis = _computed(pl, _visible_AT(pl, wqpos, wqseg, *wk))
+      any_vis = _computed(pl, _skip_vis(pl, vis, meta, pos_BL, seg_BL, kmeta, a0, t0))
       dq_t, dk, dv = _when(any_vis, compute, (dq_t, dk, dv))
       return dq_t, dk, dv, count + any_vis.astype(jnp.int32)
 
@@ -473,15 +486,15 @@ def _branch_bwd(
   return _for(pl.L // pl.A, q_body, (dq_BLWHD, dk_br, dv_br))
 
 
-def _backward(branch, axis_name, cp, tile, acc_dtype, skip, whole, res, cotangents):
+def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
   del acc_dtype  # the backward always accumulates in float32
-  q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse = res
+  q, k, v, q_br, k_br, v_br, seg, pos, meta, out, out_br, lse = res
   do, do_br, dlse = cotangents
   pl = _plan(q, k, q_br, branch, tile, skip)
   axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br, dlse)
   # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent on lse adds P * dlse
   # (d lse / d s = P), i.e. delta - dlse. Rows with nothing visible have P = 0 either way.
-  meta = _skip_meta(whole, pos, seg)
+  meta = (pos, seg) if meta is None else meta
   delta = _delta_rows(pl, (do, do_br), (out, out_br), meta[1], axes)
   delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(_F32), 0.0)
   # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
@@ -495,7 +508,7 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, whole, res, cotangen
     dk_br, dv_br = _vary((jnp.zeros_like(k_br), jnp.zeros_like(v_br)), axes)
   gs = (do, do_br, lse, delta)
   attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), gs, pos, seg, meta)
-  kv = (k, v, pos, seg) + (meta if whole is not None else ())
+  kv = (k, v, pos, seg) + _travelling(meta, pos, seg)
   zeros = _vary(jnp.zeros(k.shape, _F32), axes)
   count0 = _vary(jnp.zeros((), jnp.int32), axes)
   dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, count0), kv)
@@ -513,7 +526,7 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, whole, res, cotangen
     (_, dqs, dk, dv, _), _ = jax.lax.scan(ring_step, init, None, length=cp - 1)
     dk, dv = jax.lax.ppermute((dk, dv), axis_name, perm)  # the last hop returns them home
   grads = (dqs[0], dk, dv, dqs[1], dk_br, dv_br)
-  return (*(_like(g, x) for g, x in zip(grads, (q, k, v, q_br, k_br, v_br))), None, None)
+  return (*(_like(g, x) for g, x in zip(grads, (q, k, v, q_br, k_br, v_br))), None, None, None)
 
 
 def _like(ct, primal):
@@ -527,19 +540,18 @@ def _like(ct, primal):
 # ----------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
-def _ring(q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
+def _ring(q, k, v, q_br, k_br, v_br, seg, pos, meta, branch, axis_name, cp, tile, acc_dtype, skip):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
-  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, whole=whole)[:3]
+  return _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, meta=meta)[:3]
 
 
 def _ring_fwd(
-  q, k, v, q_br, k_br, v_br, seg, pos, branch, axis_name, cp, tile, acc_dtype, skip, whole
+  q, k, v, q_br, k_br, v_br, seg, pos, meta, branch, axis_name, cp, tile, acc_dtype, skip
 ):
   kw = dict(branch=branch, axis_name=axis_name, cp=cp, tile=tile, acc_dtype=acc_dtype, skip=skip)
-  kw["whole"] = whole
-  out, out_br, lse, _ = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
-  return (out, out_br, lse), (q, k, v, q_br, k_br, v_br, seg, pos, out, out_br, lse)
+  out, out_br, lse, _ = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, meta=meta)
+  return (out, out_br, lse), (q, k, v, q_br, k_br, v_br, seg, pos, meta, out, out_br, lse)
 
 
 _ring.defvjp(_ring_fwd, _backward)
@@ -591,15 +603,15 @@ def ring_attention_shard(
     tile=tile,
     acc_dtype=accumulate_dtype,
     skip=skip_empty,
-    whole=whole,
   )
+  meta = _skip_meta(whole, pos, seg)
   if return_work:
-    out, out_br, _, count = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)
+    out, out_br, _, count = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, meta=meta)
     return out, out_br, count
   if custom_grad:
-    out = _ring(q, k, v, q_br, k_br, v_br, seg, pos, *kw.values())
+    out = _ring(q, k, v, q_br, k_br, v_br, seg, pos, meta, *kw.values())
   else:
-    out = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw)[:3]
+    out = _forward(q, k, v, q_br, k_br, v_br, seg, pos, **kw, meta=meta)[:3]
   return out if return_lse else out[:2]
 
 

@@ -181,6 +181,8 @@ def activation_constraint(mesh, rules=None):
     # inside the cp and pp steps' shard_maps: the abstract mesh, the manual axes left out (they
     # already split the array)
     manual = set() if am.empty else set(am.manual_axes)
+    if not _automatic_split(mesh, manual):
+      return x  # every axis of size > 1 is manual here: nothing for the compiler to choose
     target = mesh if am.empty else am
     keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     rows = math.prod(mesh.shape[a] for a in keep)
@@ -211,10 +213,17 @@ def metadata_constraint(mesh):
 
   def whole(x):
     am = jax.sharding.get_abstract_mesh()
+    if not _automatic_split(mesh, set() if am.empty else set(am.manual_axes)):
+      return x  # already whole wherever the compiler could split it
     target = mesh if am.empty else am
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, PartitionSpec()))
 
   return whole
+
+
+def _automatic_split(mesh, manual) -> bool:
+  """Whether an axis of size > 1 of `mesh` is automatic (not in `manual`) where this is traced."""
+  return any(size > 1 and name not in manual for name, size in mesh.shape.items())
 
 
 def _batch_axes(mesh, rules=None) -> tuple[str, ...]:

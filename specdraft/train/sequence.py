@@ -197,13 +197,17 @@ def run(
   pin = mesh_lib.activation_constraint(mesh)
   whole = mesh_lib.metadata_constraint(mesh)
   local = chunked.rows_local(mesh_lib.rows_local(mesh))
+
+  def on_shard(sh: Shards, *args):
+    return body(dataclasses.replace(sh, whole=_once_per_step(whole, args[-1])), *args)
+
   if cp == 1:
     with local:
-      return body(Shards(tile=tile, remat=remat, constrain=pin, whole=whole), *params, batch)
+      return on_shard(Shards(tile=tile, remat=remat, constrain=pin), *params, batch)
   tok = PartitionSpec(None, cp_axis)
   batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
   fn = jax.shard_map(
-    functools.partial(body, Shards(cp, cp_axis, tile, remat, pin, whole)),
+    functools.partial(on_shard, Shards(cp, cp_axis, tile, remat, pin)),
     mesh=mesh,
     in_specs=(*(PartitionSpec() for _ in params), batch_specs),
     out_specs=PartitionSpec(),
@@ -212,6 +216,24 @@ def run(
   )
   with local:
     return fn(*params, batch)
+
+
+def _once_per_step(whole, batch: dict):
+  """`whole` (`parallel.mesh.metadata_constraint`) that gathers the batch's positions and segment
+  ids once for the whole step: every attention call of the step reads those same arrays (each
+  layer, the draft's steps, forward and backward), so each would otherwise gather them again.
+  Other arrays are gathered where they are passed."""
+  if whole is None:
+    return None
+  done = [(batch[k], whole(batch[k])) for k in ("positions", "segment_ids") if k in batch]
+
+  def once(x):
+    for src, out in done:
+      if x is src:
+        return out
+    return whole(x)
+
+  return once
 
 
 def run_pipelined(
