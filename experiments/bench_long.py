@@ -11,6 +11,11 @@ from specdraft import devices  # noqa: E402  (imports no JAX)
 # is imported: XLA reads the device count once).
 devices.simulate_cpu_devices(sys.argv, count=8)
 
+from specdraft.parallel import multihost  # noqa: E402
+
+# one host: a multi-process launch is refused before any work
+multihost.single_process_only("experiments/bench_long.py")
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 

@@ -16,6 +16,11 @@ else:
   _COUNT = max(8, devices.layout_devices(sys.argv)[0])
 devices.simulate_cpu_devices(sys.argv, count=_COUNT)
 
+from specdraft.parallel import multihost  # noqa: E402
+
+# one host: a multi-process launch is refused before any work
+multihost.single_process_only("experiments/compare_layouts.py")
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 

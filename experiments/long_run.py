@@ -11,6 +11,11 @@ from specdraft import devices  # noqa: E402  (imports no JAX)
 # device count once). Not under a multi-process launch, on GPU/TPU, or over a count already set.
 devices.simulate_cpu_devices(sys.argv)
 
+from specdraft.parallel import multihost  # noqa: E402
+
+# A multi-process run (as for experiments/train.py) joins JAX's distributed runtime first.
+multihost.initialize(sys.argv)
+
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -18,6 +23,7 @@ from specdraft.bench import long_run  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/long.py", "Long-context config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/long_run", "Output directory.")
+multihost.define_flags()
 
 
 def main(argv):

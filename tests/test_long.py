@@ -154,8 +154,10 @@ def test_frequency_length_range_and_errors():
     task.solve("abc=1;?abc:")
 
 
-@pytest.mark.slow  # ~3 min each; `make test-slow` (and CI) run them
-@pytest.mark.parametrize("layout,task", [("cp8", "frequency"), ("pp2_cp2_dp2", "retrieval")])
+# cp8 with the frequency task runs through experiments/long_run.py on two processes
+# (tests/test_multihost.py)
+@pytest.mark.slow  # ~1.5 min; `make test-slow` (and CI) run it
+@pytest.mark.parametrize("layout,task", [("pp2_cp2_dp2", "retrieval")])
 def test_long_context_smoke_run(tmp_path, layout, task):
   """SFT -> draft distillation -> RL co-training with SD rollouts, every training step on
   sequence shards over cp (under pp2_cp2_dp2 through the pipeline, the objective on the last

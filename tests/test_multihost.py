@@ -236,6 +236,83 @@ def test_a_run_killed_in_one_process_resumes_exactly(reference, data_dir, tmp_pa
   _assert_same_logs(reference("dp8", **GROUPS_SPAN), _logs(wd))
 
 
+# The long-context run's entry point joins a multi-process run too (cp8 over 2 processes x 4
+# devices); it replaces an in-process cp8 smoke run of the same config (tests/test_long.py).
+@pytest.mark.slow
+def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tmp_path):
+  from configs import long as long_config
+
+  spec = "smoke,layout=cp8,task=frequency"
+  d = str(tmp_path / "tfds")
+  task_data.prepare(long_config.get_config(spec).task, d)  # once, before any process
+  results = str(tmp_path / "results")
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "long_run.py"),
+    f"--config={os.path.join(ROOT, 'configs', 'long.py')}:{spec}",
+    f"--workdir={results}",
+    f"--config.data.data_dir={d}",
+  ]
+  proc = _launch(2, 4, cmd)
+  out, _ = proc.communicate(timeout=960)
+  assert proc.returncode == 0, out[-4000:]
+  assert "process 1 of 2 joining" in out
+  rl = _read(os.path.join(results, "run", "metrics.jsonl"))  # the run beside its results
+  c = long_config.get_config(spec)
+  assert [r["step"] for r in rl] == list(range(1, c.rl.steps + 1))  # one writer: no line twice
+  for r in rl:
+    assert np.isfinite(r["loss"]) and np.isfinite(r["draft_loss"])
+  assert max(r["accept_len"] for r in rl) > 1.0  # SD rollouts accepted drafted tokens
+  with open(os.path.join(results, "results.json")) as f:
+    written = json.load(f)
+  assert written["measured"]["cp"] == 8 and written["measured"]["rl_steps_run"] == c.rl.steps
+  assert "reward.png" in written["plots"]
+  # process 0 reports (the measured figures as JSON), process 1 only trains
+  assert "[p0] {" in out and "[p1] {" not in out
+
+
+def test_single_process_entry_points_refuse_a_multi_process_launch():
+  """The benchmarks, the drift experiment and the layout comparison time or report from one host:
+  each refuses a multi-process launch before any work, naming the setting; train.py and
+  long_run.py join one. Every JAX entry point is one or the other."""
+  for name in sorted(os.listdir(os.path.join(ROOT, "experiments"))):
+    if not name.endswith(".py"):
+      continue
+    text = open(os.path.join(ROOT, "experiments", name)).read()
+    if "simulate_cpu_devices" not in text:
+      continue  # no JAX run (plots, README tables)
+    entry = f"experiments/{name}"
+    joins = "multihost.initialize(sys.argv)" in text
+    assert joins == (entry in multihost.MULTI_PROCESS_ENTRY_POINTS), entry
+    assert joins or f'multihost.single_process_only("{entry}")' in text, entry
+  flags = ["--num_processes=2", "--coordinator_address=127.0.0.1:1", "--process_id=0"]
+  with pytest.raises(SystemExit, match=r"drift.py runs on one process, but --num_processes=2"):
+    multihost.single_process_only("experiments/drift.py", ["x", *flags], {})
+  with pytest.raises(SystemExit, match="--distributed=auto"):
+    multihost.single_process_only("x.py", ["x", "--distributed=auto"], {})
+  srun = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_STEP_NODELIST": "n[1-2]",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NUM_TASKS": "2",
+  }
+  with pytest.raises(SystemExit, match="a SLURM launch of several processes"):
+    multihost.single_process_only("x.py", ["x"], srun)
+  multihost.single_process_only("x.py", ["x"], {})  # one process: nothing to refuse
+  multihost.single_process_only("x.py", ["x", "--num_processes=1"], {})
+  # wired before absl parses the flags (else: an unknown flag)
+  res = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "experiments", "bench_step.py"), *flags],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert res.returncode != 0
+  assert "bench_step.py runs on one process, but --num_processes=2 asks for several" in res.stderr
+
+
 # ----------------------------------------------------------------------------- launch
 
 

@@ -16,6 +16,7 @@ import shutil
 import numpy as np
 
 from specdraft.bench import provenance
+from specdraft.parallel import multihost
 from specdraft.train import loop, report
 
 
@@ -23,6 +24,8 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   provenance.check_workdir(workdir)  # before any work: repository results need a clean tree
   run_dir = run_dir or provenance.run_dir_for(workdir, "run")
   summary = loop.train_and_evaluate(config, run_dir)
+  if not multihost.is_primary():  # process 0 wrote the logs and plots; it reports
+    return {"run": summary}
   logs = report.read_logs(run_dir)
   results = {"run": summary, "measured": measured(config, summary, logs["metrics"])}
   results["rl_steps"] = [

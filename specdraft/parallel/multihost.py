@@ -169,6 +169,33 @@ def initialize(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
   return n
 
 
+# The entry points that join a multi-process run (the rest measure or report on one host).
+MULTI_PROCESS_ENTRY_POINTS = ("experiments/train.py", "experiments/long_run.py")
+
+
+def single_process_only(entry: str, argv=None, environ=None) -> None:
+  """For an entry point that runs on one process (the benchmarks, the drift experiment, the
+  layout comparison: they time or report from one host): refuses, before any work, a launch
+  that asks for several processes, naming the setting and the entry points that do join one.
+  Without this the setting would be an unknown flag, or a cluster launch would run N copies."""
+  argv = sys.argv if argv is None else argv
+  environ = os.environ if environ is None else environ
+  s = settings(argv, environ)
+  n = s["num_processes"]
+  if n is not None and n > 1:
+    asked = f"--num_processes={n}"
+  elif s["distributed"] == "auto":
+    asked = "--distributed=auto"
+  elif n is None and _cluster_launch(environ) is not None:
+    asked = f"a {_cluster_launch(environ)} launch of several processes"
+  else:
+    return
+  raise SystemExit(
+    f"{entry} runs on one process, but {asked} asks for several. Run it as one process (on "
+    f"one host); multi-process runs: {', '.join(MULTI_PROCESS_ENTRY_POINTS)}."
+  )
+
+
 def wait_for_coordinator(address: str, timeout: float, *, poll_s: float = 0.25) -> None:
   """Returns once something accepts TCP connections at `address`; raises RuntimeError naming
   it after `timeout` seconds."""
