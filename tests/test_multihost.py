@@ -55,14 +55,29 @@ def _config(layout: str, data_dir: str, **extra):
   return c
 
 
-def _command(layout: str, data_dir: str, workdir: str, **extra) -> list[str]:
-  cmd = [
+# The variables of a SLURM job step of two tasks (an srun), as each task sees them.
+SRUN = {
+  "SLURM_JOB_ID": "7",
+  "SLURM_STEP_NODELIST": "n[1-2]",
+  "SLURM_PROCID": "1",
+  "SLURM_LOCALID": "0",
+  "SLURM_STEP_NUM_TASKS": "2",
+}
+
+
+def _entry_command(script: str, config: str, spec: str, data_dir: str, workdir: str) -> list[str]:
+  """`python experiments/<script> --config=configs/<config>:<spec>` on `data_dir`, into `workdir`."""
+  return [
     sys.executable,
-    os.path.join(ROOT, "experiments", "train.py"),
-    f"--config={os.path.join(ROOT, 'configs', 'default.py')}:smoke,layout={layout}",
+    os.path.join(ROOT, "experiments", script),
+    f"--config={os.path.join(ROOT, 'configs', config)}:{spec}",
     f"--workdir={workdir}",
     f"--config.data.data_dir={data_dir}",
   ]
+
+
+def _command(layout: str, data_dir: str, workdir: str, **extra) -> list[str]:
+  cmd = _entry_command("train.py", "default.py", f"smoke,layout={layout}", data_dir, workdir)
   return cmd + [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
 
 
@@ -246,14 +261,7 @@ def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tm
   d = str(tmp_path / "tfds")
   task_data.prepare(long_config.get_config(spec).task, d)  # once, before any process
   results = str(tmp_path / "results")
-  cmd = [
-    sys.executable,
-    os.path.join(ROOT, "experiments", "long_run.py"),
-    f"--config={os.path.join(ROOT, 'configs', 'long.py')}:{spec}",
-    f"--workdir={results}",
-    f"--config.data.data_dir={d}",
-  ]
-  proc = _launch(2, 4, cmd)
+  proc = _launch(2, 4, _entry_command("long_run.py", "long.py", spec, d, results))
   out, _ = proc.communicate(timeout=960)
   assert proc.returncode == 0, out[-4000:]
   assert "process 1 of 2 joining" in out
@@ -290,13 +298,7 @@ def test_single_process_entry_points_refuse_a_multi_process_launch():
     multihost.single_process_only("experiments/drift.py", ["x", *flags], {})
   with pytest.raises(SystemExit, match="--distributed=auto"):
     multihost.single_process_only("x.py", ["x", "--distributed=auto"], {})
-  srun = {
-    "SLURM_JOB_ID": "7",
-    "SLURM_STEP_NODELIST": "n[1-2]",
-    "SLURM_PROCID": "1",
-    "SLURM_LOCALID": "0",
-    "SLURM_STEP_NUM_TASKS": "2",
-  }
+  srun = dict(SRUN)
   with pytest.raises(SystemExit, match="a SLURM launch of several processes"):
     multihost.single_process_only("x.py", ["x"], srun)
   multihost.single_process_only("x.py", ["x"], {})  # one process: nothing to refuse
@@ -368,13 +370,7 @@ def test_settings_come_from_flags_or_the_environment_and_bad_ones_are_named():
   assert multihost.settings(["x"], {})["num_processes"] is None
   assert multihost.settings(["x", "--distributed=auto"], {})["distributed"] == "auto"
   # a SLURM job step of several tasks (srun) is a launch; a plain python in an allocation is not
-  srun = {
-    "SLURM_JOB_ID": "7",
-    "SLURM_STEP_NODELIST": "n[1-2]",
-    "SLURM_PROCID": "1",
-    "SLURM_LOCALID": "0",
-    "SLURM_STEP_NUM_TASKS": "2",
-  }
+  srun = dict(SRUN)
   assert multihost._cluster_launch(srun) == "SLURM"
   assert multihost._cluster_launch({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) is None
   assert multihost._cluster_launch(dict(srun, SLURM_STEP_NUM_TASKS="1")) is None
