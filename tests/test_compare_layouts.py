@@ -284,7 +284,7 @@ def _skip_test_collectives(name: str) -> list:
   ]
 
 
-@pytest.mark.parametrize("name", ["dp8", "tp2_cp2_dp2"])
+@pytest.mark.parametrize("name", ["dp8", "tp2_cp2_dp2", "pp4_dp2"])
 def test_attention_tile_loops_do_not_communicate(name, monkeypatch):
   """The attention's tile loops skip a tile pair that no row of the batch sees: a test over the
   whole batch, which, with the batch split over data, XLA made an all-reduce per tile pair inside
