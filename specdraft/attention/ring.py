@@ -141,24 +141,14 @@ def _skip_meta(whole, pos_BL, seg_BL):
   return None if (meta[0] is pos_BL and meta[1] is seg_BL) else meta
 
 
-def _travelling(meta, pos_BL, seg_BL) -> tuple:
-  """What the skip test's metadata adds to a K/V block that rides the ring: nothing when it is
-  the masks' own."""
-  return () if (meta[0] is pos_BL and meta[1] is seg_BL) else tuple(meta)
-
-
-def _kv_meta(kv):
-  """The skip test's (key positions, key segment ids) of a travelling K/V block."""
-  return kv[4:6] if len(kv) == 6 else kv[2:4]
-
-
-def _skip_vis(pl: _Plan, vis_BAT, meta, pos_BL, seg_BL, kmeta, a0, t0):
-  """The anchor-level visibility the skip test reads: `vis_BAT` itself when the metadata is the
-  masks' own (one device, or a batch not split), else the same test on the whole metadata."""
-  if meta[0] is pos_BL and meta[1] is seg_BL:
+def _skip_vis(pl: _Plan, vis_BAT, meta, kv, a0, t0):
+  """The anchor-level visibility the skip test reads: `vis_BAT` itself when `meta` is None (the
+  masks' own metadata), else the same test on the whole metadata (the key block's rides in
+  kv[4:6])."""
+  if meta is None:
     return vis_BAT
   q = (_dyn(meta[0], a0, pl.A), _dyn(meta[1], a0, pl.A))
-  k = (_dyn(kmeta[0], t0, pl.T), _dyn(kmeta[1], t0, pl.T))
+  k = (_dyn(kv[4], t0, pl.T), _dyn(kv[5], t0, pl.T))
   return _visible_AT(pl, *q, *k)
 
 
@@ -228,7 +218,6 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count
   """Every local query tile against one trunk K/V block, skipping pairs with nothing visible
   (decided on `meta`, the skip test's metadata: `_skip_meta`)."""
   k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
-  kmeta = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -252,7 +241,7 @@ def _attend_trunk(pl: _Plan, q_BLHD, q_BLWHD, pos_BL, seg_BL, meta, state, count
         mask = _row_mask(pl, vis, qpos, kpos)
         return _online(st, s, mask, lambda p: jnp.einsum("barknt,btkd->barknd", p, v_t))
 
-      any_vis = _computed(pl, _skip_vis(pl, vis, meta, pos_BL, seg_BL, kmeta, a0, t0))
+      any_vis = _computed(pl, _skip_vis(pl, vis, meta, kv, a0, t0))
       st = _when(any_vis, compute, st)
       return st, count + any_vis.astype(jnp.int32)
 
@@ -323,7 +312,7 @@ def _forward(
   meta=None,
 ):
   """(out [B,L,H,D], out_br [B,L,W,H,D]) in the input dtype, lse [B,L,R,H] f32, tile pairs;
-  `meta` from `_skip_meta`."""
+  `meta` from `_skip_meta` (None: the skip test reads seg and pos themselves)."""
   pl = _plan(q, k, q_br, branch, tile, skip)
   B, L, R, H, D = pl.B, pl.L, pl.R, pl.H, pl.D
   axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos)
@@ -333,11 +322,11 @@ def _forward(
     jnp.zeros((B, L, R, H, D), acc_dtype),
   )
   state, count = _vary((state, jnp.zeros((), jnp.int32)), axes)
-  meta = (pos, seg) if meta is None else meta
+  wseg = seg if meta is None else meta[1]
   if pl.W:
-    state = _attend_branch(pl, q_br, k_br, v_br, seg, meta[1], state)
+    state = _attend_branch(pl, q_br, k_br, v_br, seg, wseg, state)
   attend = functools.partial(_attend_trunk, pl, q, q_br, pos, seg, meta)
-  kv = (k, v, pos, seg) + _travelling(meta, pos, seg)
+  kv = (k, v, pos, seg) + (meta or ())
   if cp > 1:
     perm = [(j, (j + 1) % cp) for j in range(cp)]
 
@@ -394,7 +383,6 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
   q_BLHD, q_BLWHD = qs
   do_BLHD, do_BLWHD, lse_BLRH, delta_BLRH = gs
   k_BLKD, v_BLKD, kpos_BL, kseg_BL = kv[:4]
-  kmeta = _kv_meta(kv)
   scale = pl.D**-0.5
   n_q, n_k = pl.L // pl.A, k_BLKD.shape[1] // pl.T
 
@@ -430,7 +418,7 @@ def _attend_trunk_bwd(pl: _Plan, qs, gs, pos_BL, seg_BL, meta, carry, kv):
         dv = _put(dv, _dyn(dv, t0, pl.T) + dv_t, t0)
         return dq_t, dk, dv
 
-      any_vis = _computed(pl, _skip_vis(pl, vis, meta, pos_BL, seg_BL, kmeta, a0, t0))
+      any_vis = _computed(pl, _skip_vis(pl, vis, meta, kv, a0, t0))
       dq_t, dk, dv = _when(any_vis, compute, (dq_t, dk, dv))
       return dq_t, dk, dv, count + any_vis.astype(jnp.int32)
 
@@ -494,21 +482,21 @@ def _backward(branch, axis_name, cp, tile, acc_dtype, skip, res, cotangents):
   axes = _varying_axes(q, k, v, q_br, k_br, v_br, seg, pos, do, do_br, dlse)
   # dS = P * (dP - delta) with delta = rowsum(dO * O); a cotangent on lse adds P * dlse
   # (d lse / d s = P), i.e. delta - dlse. Rows with nothing visible have P = 0 either way.
-  meta = (pos, seg) if meta is None else meta
-  delta = _delta_rows(pl, (do, do_br), (out, out_br), meta[1], axes)
+  wseg = seg if meta is None else meta[1]
+  delta = _delta_rows(pl, (do, do_br), (out, out_br), wseg, axes)
   delta = delta - jnp.where(jnp.isfinite(lse), dlse.astype(_F32), 0.0)
   # dq accumulates in float32 across the ring, trunk and branch rows in separate arrays (so the
   # final casts read them in place)
   dq, dq_br = _vary((jnp.zeros(q.shape, _F32), jnp.zeros(q_br.shape, _F32)), axes)
   if pl.W:
     dq_br, dk_br, dv_br = _branch_bwd(
-      pl, q_br, k_br, v_br, seg, meta[1], do_br, lse, delta, dq_br, axes
+      pl, q_br, k_br, v_br, seg, wseg, do_br, lse, delta, dq_br, axes
     )
   else:
     dk_br, dv_br = _vary((jnp.zeros_like(k_br), jnp.zeros_like(v_br)), axes)
   gs = (do, do_br, lse, delta)
   attend = functools.partial(_attend_trunk_bwd, pl, (q, q_br), gs, pos, seg, meta)
-  kv = (k, v, pos, seg) + _travelling(meta, pos, seg)
+  kv = (k, v, pos, seg) + (meta or ())
   zeros = _vary(jnp.zeros(k.shape, _F32), axes)
   count0 = _vary(jnp.zeros((), jnp.int32), axes)
   dqs, dk, dv, _ = attend(((dq, dq_br), zeros, zeros, count0), kv)

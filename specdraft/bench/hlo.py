@@ -313,7 +313,7 @@ def collectives(hlo: str, num_devices: int | None = None) -> list[Collective]:
           result_bytes=_result_bytes(kind, is_start, shape_text),
           group_size=_group_size(line, num_devices),
           runs=max(runs.get(comp, 1), 1),
-          op_name=(lambda m: m.group(1) if m else "")(_OP_NAME.search(line)),
+          op_name=next(iter(_OP_NAME.findall(line)), ""),
         )
       )
   return out

@@ -177,13 +177,11 @@ def activation_constraint(mesh, rules=None):
   axes = _batch_axes(mesh, rules)
 
   def constrain(x):
-    am = jax.sharding.get_abstract_mesh()
-    # inside the cp and pp steps' shard_maps: the abstract mesh, the manual axes left out (they
-    # already split the array)
-    manual = set() if am.empty else set(am.manual_axes)
+    # inside the cp and pp steps' shard_maps the manual axes are left out (they already split
+    # the array)
+    manual, target = _traced_in(mesh)
     if not _automatic_split(mesh, manual):
       return x  # every axis of size > 1 is manual here: nothing for the compiler to choose
-    target = mesh if am.empty else am
     keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     rows = math.prod(mesh.shape[a] for a in keep)
     if x.shape[0] % max(rows, 1):
@@ -205,20 +203,27 @@ def metadata_constraint(mesh):
   test became an all-reduce inside the innermost loops, one per tile pair, per layer, per ring
   step, in the forward and the backward: latency on every accelerator, and on the CPU runtime
   small collectives over the batch axes interleaved with the ring's permutes (the rendezvous
-  aborts tp2_cp2_dp2 and pp2_cp2_dp2 had). With the metadata whole on every device (one gather
-  of two int32 arrays per attention call, outside its loops) the test is local, decided alike on
-  every device, and nothing in the loops communicates but the ring itself."""
+  aborts tp2_cp2_dp2 and pp2_cp2_dp2 had). With the metadata whole on every device (gathered
+  outside the loops: once per step for the batch's own arrays, `train.sequence._once_per_step`)
+  the test is local, decided alike on every device, and nothing in the loops communicates but
+  the ring itself."""
   if mesh is None or mesh.size == 1:
     return None
 
   def whole(x):
-    am = jax.sharding.get_abstract_mesh()
-    if not _automatic_split(mesh, set() if am.empty else set(am.manual_axes)):
+    manual, target = _traced_in(mesh)
+    if not _automatic_split(mesh, manual):
       return x  # already whole wherever the compiler could split it
-    target = mesh if am.empty else am
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, PartitionSpec()))
 
   return whole
+
+
+def _traced_in(mesh) -> tuple[set, object]:
+  """(the mesh axes that are manual where this is traced, the mesh a sharding there names): the
+  abstract mesh inside a shard_map (the cp and pp steps), else `mesh` itself."""
+  am = jax.sharding.get_abstract_mesh()
+  return (set(), mesh) if am.empty else (set(am.manual_axes), am)
 
 
 def _automatic_split(mesh, manual) -> bool:
@@ -250,10 +255,8 @@ def rows_local(mesh, rules=None):
   axes = _batch_axes(mesh, rules)
 
   def run(fn, params, xs):
-    am = jax.sharding.get_abstract_mesh()
     # inside the cp step's shard_map: nested in it, manual over the batch axes still automatic
-    manual = set() if am.empty else set(am.manual_axes)
-    target = mesh if am.empty else am
+    manual, target = _traced_in(mesh)
     keep = tuple(a for a in axes if mesh.shape[a] > 1 and a not in manual)
     rows = math.prod(mesh.shape[a] for a in keep)
     if not keep or any(x.shape[0] % rows for x in xs):

@@ -248,8 +248,8 @@ def run_pipelined(
   check_laid_out(batch, cp)
   pin = mesh_lib.activation_constraint(mesh)
   whole = mesh_lib.metadata_constraint(mesh)
-  shards = Shards(cp, "cp", tile, constrain=pin, whole=whole) if cp > 1 else None
-  shards = shards or Shards(tile=tile, constrain=pin, whole=whole)
+  over_cp = dict(cp=cp, axis="cp") if cp > 1 else {}
+  shards = Shards(tile=tile, constrain=pin, whole=whole, **over_cp)
   # (the last stage's vocabulary loops run as they are: `mesh.rows_local`'s shard_map nested in
   # the pipeline's, which checks varying axes, loses its cotangents' annotations)
   return pipelined.loss(
