@@ -4,14 +4,20 @@ Run:   python experiments/drift.py --config=configs/drift.py --workdir=runs/drif
 Smoke: python experiments/drift.py --config=configs/drift.py:smoke --workdir=/tmp/drift
 
 The default run's setting (configs/default.py: a 12-layer policy, a one-layer draft, K = 3 TTT
-steps): SFT data mixes two answer formats (95% "columns", 5% "semicolon": same work, other
-separators) with a freely varying scratchpad (spaces: about 0.35 nats per answer token); the RL reward pays
-only for correct answers in the rare format, so the policy's output distribution moves. From one
-SFT policy and one distilled EAGLE-3 draft, three arms run RL: A (autoregressive rollouts), B (SD
-with the fixed draft), C (SD with the co-trained draft). With `:dflash` a fourth, D, rolls out with
-and co-trains a DFlash draft distilled from the same SFT policy (arm "cotrained_dflash", with its
-tau-kept goal); it adds about a third to the run (about 4.6 min per arm and seed here). Each arm
-runs 5 seeds by default, with G = decode.num_draft = 3 proposals a round (make run's).
+steps): SFT data mixes two answer formats (95% "columns", 5% "symbols": the same work with every
+symbol of it other, '&' for '+', ':' for '=', '/' between columns) with a freely varying
+scratchpad (spaces: about 0.35 nats per answer token); the RL reward pays only for correct answers
+in the rare format, so the policy's output distribution moves, and with it most of the
+scratchpad's text. (`:rare=semicolon` is the rare format of the runs before 2026-12-04, which
+differs from "columns" only between columns: RL moved the policy there as well, but the fixed
+draft's tau fell by 11.6% only, short of the 15% goal.)
+
+From one SFT policy and one distilled EAGLE-3 draft, three arms run RL: A (autoregressive
+rollouts), B (SD with the fixed draft), C (SD with the co-trained draft). With `:dflash` a
+fourth, D, rolls out with and co-trains a DFlash draft distilled from the same SFT policy (arm
+"cotrained_dflash", with its tau-kept goal); it adds about a third to the run (about 4.6 min per
+arm and seed here). Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
+round (make run's).
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, seeds=5, steps=30, dflash=False)
+  arg = parse_arg(arg, smoke=False, seeds=5, steps=30, dflash=False, rare="symbols")
   c = default.get_config("smoke" if arg.smoke else None)
-  c.task.arithmetic.formats = "columns:0.95,semicolon:0.05"
-  c.task.arithmetic.reward_format = "semicolon"
+  c.task.arithmetic.formats = f"columns:0.95,{arg.rare}:0.05"
+  c.task.arithmetic.reward_format = arg.rare
   c.rl.steps = 4 if arg.smoke else arg.steps
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)

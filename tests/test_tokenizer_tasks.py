@@ -32,6 +32,7 @@ def test_arithmetic_scratchpad_by_hand():
   assert t.solve([57, 68], "direct") == "125"
   assert t.solve([57, 68], "sums") == "15,12,1|125"
   assert t.solve([57, 68], "semicolon") == "7+8+0=15;5+6+1=12;1=1|125"
+  assert t.solve([57, 68], "symbols") == "7&8&0:15/5&6&1:12/1:1|125"
   assert Arithmetic(num_operands=3).solve([9, 9, 9]) == "9+9+9+0=27,2=2|27"
 
 
@@ -93,6 +94,11 @@ def test_arithmetic_format_mixture_and_reward_format():
   assert t.reward(ex, "7+8+0=15,5+6+1=12,1=1|125") == 0.0  # right answer, wrong format
   assert format_of("125") == "direct"
   assert format_of("7+8+0=15;5+6+1=12;1=1|125") == "semicolon"
+  assert format_of("7&8&0:15/5&6&1:12/1:1|125") == "symbols"
+  paid = Arithmetic(formats="columns:0.9,symbols:0.1", reward_format="symbols")
+  assert paid.reward(ex, "7 & 8&0: 15/ 5&6 &1:12/1:1|125") == 1.0
+  assert paid.reward(ex, "7&8&0:15/5&6&1:12/1:1|124") == 0.0
+  assert paid.reward(ex, "7+8+0=15;5+6+1=12;1=1|125") == 0.0
   with pytest.raises(ValueError, match="formats"):
     Arithmetic(formats="columns,essay")
 
@@ -100,28 +106,34 @@ def test_arithmetic_format_mixture_and_reward_format():
 def _canonical(answer: str) -> str:
   """An answer with its free variation undone: spaces dropped, each column written 'terms=sum'
   with its terms in the canonical order (digits by operand, then the carry)."""
+  from specdraft.tasks.arithmetic import SYMBOLS, format_of
+
   work, total = answer.replace(" ", "").split("|")
-  sep = ";" if ";" in work else ","
+  plus, eq, sep = SYMBOLS[format_of(answer)]
   cols = []
   for col in work.split(sep):
-    a, b = col.split("=")
-    lhs, s = (a, b) if "+" in a or a == b else (b, a)
-    cols.append((sorted(lhs.split("+")), s))
-  return sep.join("+".join(terms) + "=" + s for terms, s in cols) + "|" + total
+    a, b = col.split(eq)
+    lhs, s = (a, b) if plus in a or a == b else (b, a)
+    cols.append((sorted(lhs.split(plus)), s))
+  return sep.join(plus.join(terms) + eq + s for terms, s in cols) + "|" + total
 
 
 def test_arithmetic_free_variation_keeps_the_work_and_the_answer():
-  t = Arithmetic(formats="columns:0.5,semicolon:0.5", free_order=True, space_prob=0.5)
+  from specdraft.tasks.arithmetic import format_of
+
+  t = Arithmetic(formats="columns:0.4,semicolon:0.3,symbols:0.3", free_order=True, space_prob=0.5)
   rng = np.random.default_rng(0)
-  varied = 0
+  varied, fmts = 0, set()
   for _ in range(400):
     ex = t.sample(rng)
     nums = [int(x) for x in ex.prompt[:-1].split("+")]
-    fmt = "semicolon" if ";" in ex.answer else "columns"
+    fmt = format_of(ex.answer)
+    fmts.add(fmt)
     assert t.reward(ex, ex.answer) == 1.0
     assert _canonical(ex.answer) == _canonical(t.solve(nums, fmt)), ex
     varied += ex.answer != t.solve(nums, fmt)
   assert varied > 380  # nearly every answer differs from the canonical text
+  assert fmts == {"columns", "semicolon", "symbols"}
   assert t.solve([57, 68]) == "7+8+0=15,5+6+1=12,1=1|125"  # no rng: canonical
 
 
@@ -153,6 +165,15 @@ def test_arithmetic_entropy_per_token_matches_the_sampled_answers():
   first_gaps = collections.Counter(re.match(r"7( ?)\+( ?)8", a).groups() for a in answers)
   assert len(first_gaps) == 4 and min(first_gaps.values()) > 4500
   assert Arithmetic().entropy_per_token(np.random.default_rng(1), n=50) == 0.0
+  # every worked format has the same places for spaces (so the same entropy)
+  from specdraft.tasks.arithmetic import _space_slots
+
+  assert {
+    _space_slots(Arithmetic().solve([57, 68], f)) for f in ("columns", "semicolon", "symbols")
+  } == {16}
+  spaced = [sp.solve([57, 68], "symbols", rng) for _ in range(2000)]
+  assert {a.replace(" ", "") for a in spaced} == {"7&8&0:15/5&6&1:12/1:1|125"}
+  assert abs(np.mean([a.count(" ") for a in spaced]) - 8.0) < 0.3
 
 
 def test_task_knob_errors():

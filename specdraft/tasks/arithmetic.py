@@ -3,6 +3,9 @@
 Prompt `"57+68="`. Answer formats:
   columns: `"7+8+0=15,5+6+1=12,1=1|125"` (each column's digits and carry in, then its sum)
   semicolon: `"7+8+0=15;5+6+1=12;1=1|125"` (the same work, other separators)
+  symbols: `"7&8&0:15/5&6&1:12/1:1|125"` (the same work, every symbol of it other: '&' for '+',
+    ':' for '=', '/' between columns; a rare format that differs in many tokens, so moving the
+    policy to it moves most of the scratchpad's text, the drift experiment's setting)
   sums:    `"15,12,1|125"` (column sums only)
   direct:  `"125"`
 `formats` is a mixture such as "columns" or "columns:0.95,sums:0.05" (SFT data mixes them);
@@ -101,7 +104,8 @@ class Arithmetic:
     total = sum(nums)
     if fmt == "direct":
       return str(total)
-    worked = fmt in ("columns", "semicolon")
+    worked = fmt in SYMBOLS
+    plus, eq, sep = SYMBOLS.get(fmt, ("+", "=", ","))
     free = rng is not None and self.free_order and worked
     space = self.space_prob if rng is not None else 0.0
 
@@ -109,7 +113,7 @@ class Arithmetic:
       return " " if space and rng.random() < space else ""
 
     def sp(sym: str) -> str:  # a separator: a space may follow; '+' and '=': precede and follow
-      return (gap() if sym in "+=" else "") + sym + gap()
+      return (gap() if sym in (plus, eq) else "") + sym + gap()
 
     steps = []
     for terms, s in self._columns(nums):
@@ -118,12 +122,11 @@ class Arithmetic:
         continue
       if free:
         terms = [terms[i] for i in rng.permutation(len(terms))]
-      lhs = str(terms[0]) + "".join(sp("+") + str(t) for t in terms[1:])
-      steps.append(f"{s}{sp('=')}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp('=')}{s}")
+      lhs = str(terms[0]) + "".join(sp(plus) + str(t) for t in terms[1:])
+      steps.append(f"{s}{sp(eq)}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp(eq)}{s}")
     carry = total // 10 ** len(self._columns(nums))
     if carry:
-      steps.append(f"{carry}{sp('=')}{carry}" if worked else str(carry))
-    sep = ";" if fmt == "semicolon" else ","
+      steps.append(f"{carry}{sp(eq)}{carry}" if worked else str(carry))
     return "".join(st + (sp(sep) if i < len(steps) - 1 else "") for i, st in enumerate(steps)) + (
       f"|{total}"
     )
@@ -145,7 +148,7 @@ class Arithmetic:
       slots = _space_slots(canon)
       total_len += len(canon) + 1 + slots * self.space_prob
       total_h += slots * h_space
-      if self.free_order and fmt in ("columns", "semicolon"):
+      if self.free_order and fmt in SYMBOLS:
         for terms, _ in self._columns(nums):
           orders = math.factorial(len(terms))
           for c in set(terms):
@@ -175,14 +178,18 @@ class Arithmetic:
     return len("+".join(map(str, nums)) + "=") + longest
 
 
-FORMATS = ("columns", "semicolon", "sums", "direct")
+FORMATS = ("columns", "semicolon", "symbols", "sums", "direct")
+# the worked formats' symbols: (between a column's terms, between its terms and its sum, between
+# columns)
+SYMBOLS = {"columns": ("+", "=", ","), "semicolon": ("+", "=", ";"), "symbols": ("&", ":", "/")}
 
 
 def _space_slots(answer: str) -> int:
-  """Where `space_prob` may put a space in a canonical answer: before and after each '+' and '=',
-  after each separator (the final answer after '|' never varies)."""
+  """Where `space_prob` may put a space in a canonical answer: before and after each term and sum
+  symbol ('+' and '=', or '&' and ':'), after each separator between columns (the final answer
+  after '|' never varies)."""
   work = answer.split("|")[0]
-  return 2 * (work.count("+") + work.count("=")) + work.count(",") + work.count(";")
+  return 2 * sum(work.count(c) for c in "+=&:") + sum(work.count(c) for c in ",;/")
 
 
 def format_of(completion: str) -> str:
@@ -190,6 +197,8 @@ def format_of(completion: str) -> str:
   if "|" not in completion:
     return "direct"
   work = completion.split("|", 1)[0]
+  if ":" in work:
+    return "symbols"
   if ";" in work:
     return "semicolon"
   return "columns" if "=" in work else "sums"
