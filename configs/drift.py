@@ -2,6 +2,9 @@
 
 Run:   python experiments/drift.py --config=configs/drift.py --workdir=runs/drift
 Smoke: python experiments/drift.py --config=configs/drift.py:smoke --workdir=/tmp/drift
+On 2 processes x 4 devices (the layout must cover every process's devices):
+       scripts/launch_local.sh 2 4 -- python experiments/drift.py \
+         --config=configs/drift.py:smoke,layout=dp8 --workdir=/tmp/drift2
 
 The default run's setting (configs/default.py: a 12-layer policy, a one-layer draft, K = 3 TTT
 steps): SFT data mixes two answer formats (95% "columns", 5% "symbols": the same work with every
@@ -27,8 +30,10 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, seeds=5, steps=30, dflash=False, rare="symbols")
-  c = default.get_config("smoke" if arg.smoke else None)
+  arg = parse_arg(
+    arg, smoke=False, seeds=5, steps=30, dflash=False, rare="symbols", layout="single"
+  )
+  c = default.get_config(("smoke," if arg.smoke else "") + f"layout={arg.layout}")
   c.task.arithmetic.formats = f"columns:0.95,{arg.rare}:0.05"
   c.task.arithmetic.reward_format = arg.rare
   c.rl.steps = 4 if arg.smoke else arg.steps

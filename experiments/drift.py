@@ -13,8 +13,8 @@ devices.simulate_cpu_devices(sys.argv)
 
 from specdraft.parallel import multihost  # noqa: E402
 
-# one host: a multi-process launch is refused before any work
-multihost.single_process_only("experiments/drift.py")
+# A multi-process run (as for experiments/train.py) joins JAX's distributed runtime first.
+multihost.initialize(sys.argv)
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -23,6 +23,7 @@ from specdraft.bench import drift  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/drift.py", "Drift config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/drift", "Output directory.")
+multihost.define_flags()
 
 
 def main(argv):

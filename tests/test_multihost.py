@@ -279,10 +279,55 @@ def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tm
   assert "[p0] {" in out and "[p1] {" not in out
 
 
+# The drift experiment's entry point joins a multi-process run: its arms (the RL runs) and its tau
+# measurements (SD generations on the held-out prompts, rows over both processes) give what one
+# process gives, and process 0 alone writes the results.
+DRIFT_SMOKE = {"sft.steps": 4, "draft.pretrain_steps": 2, "rl.steps": 3, "eval.every": 4}
+
+
+@pytest.mark.slow
+def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
+  from configs import drift as drift_config
+  from specdraft.bench import drift
+
+  spec = "smoke,layout=dp8"
+  d = str(tmp_path / "tfds")
+  task_data.prepare(drift_config.get_config(spec).task, d)  # once, before any process
+  c = drift_config.get_config(spec)
+  c.data.data_dir = d
+  for key, value in DRIFT_SMOKE.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  one = str(tmp_path / "one")
+  drift.run(c, one)  # 1 process x 8 devices, in this process
+  two = str(tmp_path / "two")
+  cmd = _entry_command("drift.py", "drift.py", spec, d, two)
+  proc = _launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in DRIFT_SMOKE.items()])
+  out, _ = proc.communicate(timeout=960)
+  assert proc.returncode == 0, out[-4000:]
+  assert "process 1 of 2 joining" in out
+  for arm in c.drift.arms:
+    run = os.path.join("runs", f"{arm}_seed0", "metrics.jsonl")
+    ref = _read(os.path.join(one, run))
+    assert [r["step"] for r in ref] == [1, 2, 3], arm
+    _assert_same(ref, _read(os.path.join(two, run)), arm)  # one writer: no line twice either
+  with open(os.path.join(one, "results.json")) as f:
+    ref = json.load(f)
+  with open(os.path.join(two, "results.json")) as f:
+    got = json.load(f)
+  _assert_same(ref["tau_start_by_kind"], got["tau_start_by_kind"], "tau_start_by_kind")
+  for arm in ("fixed", "cotrained"):
+    for k in ("tau_first", "tau_last", "tau_end", "reward_first"):
+      _assert_same(ref["arms"][arm][k], got["arms"][arm][k], f"arms.{arm}.{k}")
+  assert set(got["goals"]) == set(ref["goals"])
+  # process 0 reports (the goals table), process 1 only runs its part of every arm
+  assert "[p0] " in out and "reward" in out and out.count("seed 0: reward") == len(c.drift.arms)
+
+
 def test_single_process_entry_points_refuse_a_multi_process_launch():
-  """The benchmarks, the drift experiment and the layout comparison time or report from one host:
-  each refuses a multi-process launch before any work, naming the setting; train.py and
-  long_run.py join one. Every JAX entry point is one or the other."""
+  """The benchmarks and the layout comparison time or report from one host: each refuses a
+  multi-process launch before any work, naming the setting; train.py, long_run.py and drift.py
+  join one. Every JAX entry point is one or the other."""
   for name in sorted(os.listdir(os.path.join(ROOT, "experiments"))):
     if not name.endswith(".py"):
       continue
@@ -294,8 +339,8 @@ def test_single_process_entry_points_refuse_a_multi_process_launch():
     assert joins == (entry in multihost.MULTI_PROCESS_ENTRY_POINTS), entry
     assert joins or f'multihost.single_process_only("{entry}")' in text, entry
   flags = ["--num_processes=2", "--coordinator_address=127.0.0.1:1", "--process_id=0"]
-  with pytest.raises(SystemExit, match=r"drift.py runs on one process, but --num_processes=2"):
-    multihost.single_process_only("experiments/drift.py", ["x", *flags], {})
+  with pytest.raises(SystemExit, match=r"bench_step.py runs on one process, but --num_processes=2"):
+    multihost.single_process_only("experiments/bench_step.py", ["x", *flags], {})
   with pytest.raises(SystemExit, match="--distributed=auto"):
     multihost.single_process_only("x.py", ["x", "--distributed=auto"], {})
   srun = dict(SRUN)

@@ -16,6 +16,7 @@ from specdraft.bench.readme import ARM_NAMES
 from specdraft.decode import speculative
 from specdraft.decode.compare import decoding_figures
 from specdraft.model import drafts
+from specdraft.parallel import multihost
 from specdraft.train import loop
 from specdraft.train.evaluate import held_out_prompts
 
@@ -82,15 +83,16 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       if _complete_rl_run(ctx.workdir, config.rl.steps):
         resumed.append(f"{arm}_seed{seed}")  # its RL phase is restored, not re-run
       state, _ = loop.rl_phase(ctx, params, dparams)
-      runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
       if draft_mode != "none":  # the draft the arm rolls out with at its end, against its policy
         final = state["params"]
         draft = final["draft"] if draft_mode == "cotrained" else dparams
         tau_end[(arm, seed)] = tau_by_temperature(ctx, final["policy"], draft)
-      print(
-        f"{ARM_NAMES.get(arm, arm)}, seed {seed}: reward {runs[(arm, seed)][-1]['reward_mean']:.3f}",
-        flush=True,
-      )
+      if multihost.is_primary():  # process 0 wrote the arm's log; it reports
+        runs[(arm, seed)] = ctx.log("metrics.jsonl").read()
+        reward = runs[(arm, seed)][-1]["reward_mean"]
+        print(f"{ARM_NAMES.get(arm, arm)}, seed {seed}: reward {reward:.3f}", flush=True)
+  if not multihost.is_primary():  # the other processes ran their part of every arm
+    return {"tau_start_by_kind": tau_start_by_kind, "tau_end": tau_end}
   summary = summarise(
     runs,
     config,

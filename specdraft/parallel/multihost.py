@@ -170,12 +170,16 @@ def initialize(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
 
 
 # The entry points that join a multi-process run (the rest measure or report on one host).
-MULTI_PROCESS_ENTRY_POINTS = ("experiments/train.py", "experiments/long_run.py")
+MULTI_PROCESS_ENTRY_POINTS = (
+  "experiments/train.py",
+  "experiments/long_run.py",
+  "experiments/drift.py",
+)
 
 
 def single_process_only(entry: str, argv=None, environ=None) -> None:
-  """For an entry point that runs on one process (the benchmarks, the drift experiment, the
-  layout comparison: they time or report from one host): refuses, before any work, a launch
+  """For an entry point that runs on one process (the benchmarks and the layout comparison:
+  they time or report from one host): refuses, before any work, a launch
   that asks for several processes, naming the setting and the entry points that do join one.
   Without this the setting would be an unknown flag, or a cluster launch would run N copies."""
   argv = sys.argv if argv is None else argv
