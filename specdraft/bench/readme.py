@@ -535,10 +535,12 @@ def drift(r: dict, rel_dir: str) -> str:
   resumed = r.get("resumed_runs")
   if resumed:  # measured by an earlier run of the same experiment, restored from run_dir
     arms = list(dict.fromkeys(name.rsplit("_seed", 1)[0] for name in resumed))
+    one = len(resumed) == 1
     lines.append(
-      f"{len(resumed)} of the arm runs ({', '.join(ARM_NAMES.get(a, a) for a in arms)}) were "
-      "found complete in the run directory and restored, so their figures were measured by an "
-      "earlier run of this experiment; the results file lists them (`resumed_runs`)."
+      f"{len(resumed)} of the arm runs ({', '.join(ARM_NAMES.get(a, a) for a in arms)}) "
+      f"{'was' if one else 'were'} found complete in the run directory and restored, so "
+      f"{'its' if one else 'their'} figures were measured by an earlier run of this experiment; "
+      "the results file lists them (`resumed_runs`)."
     )
     lines.append("")
   names = ["tau", "reward"] + (["entropy", "rollout_seconds"] if "speed" in r else [])
