@@ -19,6 +19,7 @@ def test_retrieval_prompts_answers_and_rewards():
     for _ in range(20):
       ex = task.sample(rng)
       assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+      assert len(ex.prompt) <= task.max_prompt_length()
       assert task.reward(ex, ex.answer) == 1.0
       assert task.reward(ex, " " + ex.answer + " ") == 1.0  # surrounding space is ignored
       assert task.reward(ex, ex.answer[:-1]) == 0.0
@@ -40,6 +41,7 @@ def test_multi_query_retrieval_gives_partial_credit():
     queried = ex.prompt.split("?")[1].rstrip(":").split(",")
     assert len(set(queried)) == 4 and len(ex.answer.split(",")) == 4  # distinct keys, in order
     assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+    assert len(ex.prompt) <= task.max_prompt_length()
     assert task.reward(ex, ex.answer) == 1.0
     items = ex.answer.split(",")
     assert task.reward(ex, ",".join(items[:2] + ["x", "y"])) == 0.5
@@ -87,6 +89,7 @@ def test_frequency_answer_is_the_ranking_of_the_context_counts():
     assert [ctx.count(ch) for ch in top] == counts[:4] and len(set(counts[:5])) == 5
     assert task.solve(ex.prompt) == ex.answer and task.reward(ex, ex.answer) == 1.0
     assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+    assert len(ex.prompt) <= task.max_prompt_length()
     wrong = ",".join([top[0], top[2], top[1], top[3]])
     assert task.reward(ex, wrong) == 0.5
     assert task.reward(ex, ",".join(top[:2])) == 0.5

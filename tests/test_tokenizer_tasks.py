@@ -59,6 +59,7 @@ def test_generated_examples_are_correct_and_bounded(task):
     ex = task.sample(rng)
     assert task.reward(ex, ex.answer) == 1.0, ex
     assert len(ex.prompt) + len(ex.answer) <= task.max_length()
+    assert len(ex.prompt) <= task.max_prompt_length()
   a = [task.sample(np.random.default_rng(7)) for _ in range(1)]
   b = [task.sample(np.random.default_rng(7)) for _ in range(1)]
   assert a == b
@@ -183,3 +184,29 @@ def test_task_knob_errors():
     Arithmetic(min_digits=3, max_digits=2)
   with pytest.raises(ValueError, match="ops"):
     Countdown(ops="+^")
+
+
+def test_the_prompt_width_is_the_longest_prompt_not_prompt_and_answer(tmp_path):
+  """Rollouts and evaluation pad prompts to `prompt_len_for`: the task's longest prompt plus BOS,
+  not the longest example (an answer-sized gap of padding widened every rollout's prefill and KV
+  cache and every RL training row). A task without max_prompt_length falls back to max_length."""
+  from specdraft.tasks import JsonlTask
+  from specdraft.tasks.base import max_prompt_length
+  from specdraft.train.evaluate import prompt_len_for
+
+  task = Arithmetic(max_digits=3, num_operands=2, formats="columns")
+  assert task.max_prompt_length() == len("999+999=")
+  assert prompt_len_for(task) == len("999+999=") + 1
+  assert task.max_length() == len("999+999=") + len(task.solve([999, 999], "columns"))
+  assert Countdown(num_numbers=3, max_number=20).max_prompt_length() == len("20,20,20->8000:")
+  ones = Countdown(num_numbers=12, max_number=1, ops="+")  # a sum of ones outgrows 1 ** 12
+  assert ones.max_prompt_length() == len(",".join(["1"] * 12) + "->12:")
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "abcd", "answer": "xyzxyzxyz"}\n{"prompt": "ab", "answer": "x"}\n')
+  assert JsonlTask(str(path)).max_prompt_length() == 4
+
+  class Bare:  # a user's task with the old protocol
+    def max_length(self):
+      return 30
+
+  assert max_prompt_length(Bare()) == 30

@@ -175,7 +175,10 @@ class Arithmetic:
       answer = self.solve(nums, f)
       spaces = _space_slots(answer) if self.space_prob else 0
       longest = max(longest, len(answer) + spaces)
-    return len("+".join(map(str, nums)) + "=") + longest
+    return self.max_prompt_length() + longest
+
+  def max_prompt_length(self) -> int:
+    return len("+".join([str(10**self.max_digits - 1)] * self.num_operands) + "=")
 
 
 FORMATS = ("columns", "semicolon", "symbols", "sums", "direct")

@@ -28,6 +28,19 @@ class Task(Protocol):
     """Upper bound on len(prompt) + len(answer) in characters."""
     ...
 
+  def max_prompt_length(self) -> int:
+    """Upper bound on len(prompt) in characters: the width rollouts and evaluation pad prompts
+    to (`train.evaluate.prompt_len_for`). A bound loosened by the answer's length widens every
+    rollout's prefill, its KV cache and every RL training row."""
+    ...
+
+
+def max_prompt_length(task) -> int:
+  """`task.max_prompt_length()`, or `task.max_length()` (prompt and answer: loose, but safe) for a
+  task written without it."""
+  bound = getattr(task, "max_prompt_length", None)
+  return bound() if bound is not None else task.max_length()
+
 
 def final_answer(completion: str) -> str:
   """The text after the last '|' (scratchpad separator), stripped."""

@@ -74,9 +74,15 @@ class Countdown:
 
   def max_length(self) -> int:
     n = len(str(self.max_number))
-    prompt = self.num_numbers * (n + 1) + 2 + len(str(self.max_number**self.num_numbers)) + 1
     answer = self.num_numbers * (n + 1) + 2 * (self.num_numbers - 1)
-    return prompt + answer
+    return self.max_prompt_length() + answer
+
+  def max_prompt_length(self) -> int:
+    """'a,b,c->value:' with every number at its widest; the value is at most the larger of
+    max_number ** num_numbers and num_numbers * max_number (a sum of ones outgrows 1 ** k)."""
+    n = len(str(self.max_number))
+    value = max(self.max_number**self.num_numbers, self.num_numbers * self.max_number)
+    return self.num_numbers * (n + 1) - 1 + len("->") + len(str(value)) + len(":")
 
 
 def evaluate(expr: str) -> tuple[Fraction, list[int]]:

@@ -128,5 +128,7 @@ class Frequency:
     return "semicolon" if ";" in completion else "comma"
 
   def max_length(self) -> int:
-    context = self.length + self.top_k * (self.top_k + 1) // 2
-    return context + 1 + 2 * self.top_k - 1
+    return self.max_prompt_length() + 2 * self.top_k - 1
+
+  def max_prompt_length(self) -> int:
+    return self.length + self.top_k * (self.top_k + 1) // 2 + len("?")

@@ -59,3 +59,6 @@ class JsonlTask:
 
   def max_length(self) -> int:
     return max(len(e.prompt) + len(e.answer) for e in self.examples)
+
+  def max_prompt_length(self) -> int:
+    return max(len(e.prompt) for e in self.examples)

@@ -130,7 +130,12 @@ class Retrieval:
   def max_length(self) -> int:
     record = self.key_len + 1 + max(self.key_len, self.value_len) + 1
     answer = (self.hops - 1) * (self.key_len + 1) + self.value_len + 1  # with its ',' separator
-    return self.num_records * record + 1 + self.queries * (self.key_len + 1 + answer)
+    return self.max_prompt_length() + self.queries * answer
+
+  def max_prompt_length(self) -> int:
+    """The records, '?', the queried keys with their commas and the query's end mark."""
+    record = self.key_len + 1 + max(self.key_len, self.value_len) + 1
+    return self.num_records * record + 1 + self.queries * (self.key_len + 1)
 
 
 def _parse(prompt: str) -> tuple[dict[str, str], list[str]]:

@@ -11,6 +11,7 @@ from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
 from specdraft.parallel import multihost
 from specdraft.tasks import CharTokenizer, loader
+from specdraft.tasks.base import max_prompt_length
 
 # Long prompt buffers are padded to a multiple of this: prefill attends in tiles (up to 512 rows)
 # that must divide half the prompt length, and a length like 8202 (= 2 * 3 * 1367) leaves tiles
@@ -20,13 +21,13 @@ PROMPT_MULTIPLE = 128
 
 
 def prompt_len_for(task, tok=None, prompts=None) -> int:
-  """A safe upper bound on any prompt's tokens (the task's longest, with BOS or the chat
-  template's frame, `tok`: the character tokenizer by default); above 1024 tokens rounded up to
-  a multiple of PROMPT_MULTIPLE. With `prompts` (every prompt text the run can draw) and a
-  tokenizer whose bound is loose (a BPE: one id per byte at worst), the longest of their actual
-  encodings instead."""
+  """A safe upper bound on any prompt's tokens (the task's longest prompt, `max_prompt_length`,
+  with BOS or the chat template's frame, `tok`: the character tokenizer by default); above 1024
+  tokens rounded up to a multiple of PROMPT_MULTIPLE. With `prompts` (every prompt text the run
+  can draw) and a tokenizer whose bound is loose (a BPE: one id per byte at worst), the longest
+  of their actual encodings instead."""
   tok = tok or CharTokenizer()
-  n = tok.max_prompt_tokens(task.max_length())
+  n = tok.max_prompt_tokens(max_prompt_length(task))
   if prompts is not None and not isinstance(tok, CharTokenizer):
     n = max(len(tok.encode_prompt(p)) for p in prompts)
   if n <= 1024:
