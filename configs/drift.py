@@ -21,6 +21,10 @@ fourth, D, rolls out with and co-trains a DFlash draft distilled from the same S
 "cotrained_dflash", with its tau-kept goal); it adds about a third to the run (about 4.6 min per
 arm and seed here). Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
 round (make run's).
+
+`:equivalence,seeds=20` runs A and C only (and D with `:dflash`; B's goals dropped), for the A - C reward equivalence at
+more seeds: in a workdir whose runs/ holds an earlier run's arms at the same commit (the same SFT
+policy, draft and seeds), their complete runs are restored and only the new seeds run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from specdraft.config import parse_arg
 
 def get_config(arg: str | None = None):
   arg = parse_arg(
-    arg, smoke=False, seeds=5, steps=30, dflash=False, rare="symbols", layout="single"
+    arg,
+    smoke=False,
+    seeds=5,
+    steps=30,
+    dflash=False,
+    rare="symbols",
+    layout="single",
+    equivalence=False,
   )
   c = default.get_config(("smoke," if arg.smoke else "") + f"layout={arg.layout}")
   c.task.arithmetic.formats = f"columns:0.95,{arg.rare}:0.05"
@@ -40,7 +51,9 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)
     c.sft.steps, c.eval.every, c.draft.pretrain_steps = 800, 400, 160
-  arms = ("none", "fixed", "cotrained") + (("cotrained_dflash",) if arg.dflash else ())
+  # `:equivalence`: A and C (and D with :dflash) only, for more seeds; B's goals are dropped
+  arms = ("none",) + (() if arg.equivalence else ("fixed",)) + ("cotrained",)
+  arms += ("cotrained_dflash",) if arg.dflash else ()
   c.drift = dict(arms=arms, seeds=1 if arg.smoke else arg.seeds)
   # Reward threshold for "wall-clock to reach it": the trailing mean over threshold_window steps.
   c.drift.reward_threshold, c.drift.threshold_window = 0.4, 3
@@ -91,6 +104,8 @@ def get_config(arg: str | None = None):
       what="final reward C - A: its 95% Welch interval within +-0.1",
     ),
   )
+  if arg.equivalence:
+    del c.drift.goals["fixed_tau_fell"], c.drift.goals["fixed_rollouts_slow_down"]
   if arg.dflash:
     c.drift.goals.dflash_tau_kept = dict(
       metric="arms.cotrained_dflash.tau_last_over_first",

@@ -190,6 +190,24 @@ def test_drift_arms_name_a_rollout_draft_and_optionally_a_draft_kind():
       drift.parse_arm(bad, "eagle3")
 
 
+def test_every_drift_goal_reads_an_arm_its_config_runs():
+  """A goal on an arm the config does not run would fail after an hour of runs: `:equivalence`
+  (A and C only, for more seeds) drops B's goals, `:dflash` adds D's."""
+  from configs import drift as drift_config
+
+  for arg in (None, "dflash", "equivalence,seeds=20", "equivalence,dflash"):
+    c = drift_config.get_config(arg)
+    for name, goal in c.drift.goals.items():
+      metric = goal["metric"]
+      if metric.startswith("arms."):
+        assert metric.split(".")[1] in c.drift.arms, (arg, name)
+      elif metric.startswith(("speed.", "reward_C_minus_A.")):
+        assert {"none", "cotrained"} <= set(c.drift.arms), (arg, name)
+  c = drift_config.get_config("equivalence,seeds=20")
+  assert c.drift.arms == ("none", "cotrained") and c.drift.seeds == 20
+  assert "fixed_tau_fell" in drift_config.get_config(None).drift.goals
+
+
 def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):
   from specdraft.bench import readme
 
