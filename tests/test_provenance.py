@@ -167,6 +167,8 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   assert "rollouts 2.00× faster" in text and "r = 0.67" in text and "Welch test p" in text
   assert "| A: AR rollouts | 2.00 | 1.00 | 3.00 | 67% |" in text
   assert "| D: SD, co-trained DFlash |" in text
+  assert text.startswith("### Drift: does a co-trained draft")
+  assert readme.drift(out, "docs/results/x", "More seeds?").startswith("### More seeds?\n")
 
 
 def test_drift_counts_an_arm_run_as_resumed_only_when_its_log_has_every_step(tmp_path):

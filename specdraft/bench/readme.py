@@ -486,7 +486,10 @@ def _interval(ci) -> str:
   return "n/a (one seed)" if ci is None else f"{_f(ci[0], 3)} to {_f(ci[1], 3)}"
 
 
-def drift(r: dict, rel_dir: str) -> str:
+DRIFT_TITLE = "Drift: does a co-trained draft keep its acceptance while RL moves the policy?"
+
+
+def drift(r: dict, rel_dir: str, title: str = DRIFT_TITLE) -> str:
   rows = []
   for arm, a in r["arms"].items():
     rl = a["reward_last"]
@@ -516,7 +519,7 @@ def drift(r: dict, rel_dir: str) -> str:
     rows,
   )
   head = (
-    "### Drift: does a co-trained draft keep its acceptance while RL moves the policy?\n\n"
+    f"### {title}\n\n"
     f"{len(r['arms'])} arms × {r['seeds']} seeds × {r['steps']} RL steps from one SFT policy and "
     "one distilled draft; the reward pays only for the rare answer format, so the policy's "
     f"output distribution moves. Windows: the first and last {r['window']} RL steps; seed "
@@ -853,6 +856,10 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_drafts_layers2/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_step/results.json", lambda r, d: step(r)),
   ("docs/results/drift/results.json", drift),
+  (
+    "docs/results/drift_equivalence/results.json",
+    lambda r, d: drift(r, d, "Drift at more seeds: are A's and C's final rewards equivalent?"),
+  ),
   ("docs/results/bench_long/results.json", long),
   ("docs/results/long_run/results.json", long_run),
   ("docs/results/long_8k/results.json", long_run),
