@@ -128,7 +128,6 @@ class Retrieval:
     return float(sum(g == w for g, w in zip(got, want))) / len(want) * (len(got) <= len(want))
 
   def max_length(self) -> int:
-    record = self.key_len + 1 + max(self.key_len, self.value_len) + 1
     answer = (self.hops - 1) * (self.key_len + 1) + self.value_len + 1  # with its ',' separator
     return self.max_prompt_length() + self.queries * answer
 
