@@ -22,9 +22,9 @@ fourth, D, rolls out with and co-trains a DFlash draft distilled from the same S
 arm and seed here). Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
 round (make run's).
 
-`:equivalence,seeds=20` runs A and C only (and D with `:dflash`; B's goals dropped), for the A - C reward equivalence at
-more seeds: in a workdir whose runs/ holds an earlier run's arms at the same commit (the same SFT
-policy, draft and seeds), their complete runs are restored and only the new seeds run.
+`:equivalence,seeds=20` runs A and C only (and D with `:dflash`; B's goals dropped), for the
+A - C reward equivalence at more seeds: in a workdir whose runs/ holds an earlier run's arms (the
+same SFT policy, draft and seeds), their complete runs are restored and only the new seeds run.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ def get_config(arg: str | None = None):
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)
     c.sft.steps, c.eval.every, c.draft.pretrain_steps = 800, 400, 160
-  # `:equivalence`: A and C (and D with :dflash) only, for more seeds; B's goals are dropped
   arms = ("none",) + (() if arg.equivalence else ("fixed",)) + ("cotrained",)
   arms += ("cotrained_dflash",) if arg.dflash else ()
   c.drift = dict(arms=arms, seeds=1 if arg.smoke else arg.seeds)
