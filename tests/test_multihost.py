@@ -43,6 +43,9 @@ OVERRIDES = {
   "rl.steps": 4,
   "rl.eval_every": 4,
   "eval.report_repeats": 0,
+  # 8 new tokens a rollout: every decode round of SD and every greedy step of the evaluation
+  # synchronises the processes (gloo over TCP here), which at 24 tokens was most of a run
+  "decode.max_new_tokens": 8,
 }
 
 
@@ -93,7 +96,7 @@ def _launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, **kw):
   return subprocess.Popen(
     launcher + ["--timeout", str(timeout), "--"] + cmd,
     cwd=ROOT,
-    stdout=subprocess.PIPE,
+    stdout=kw.pop("stdout", subprocess.PIPE),
     stderr=subprocess.STDOUT,
     text=True,
     **kw,
@@ -169,40 +172,7 @@ def _two_processes(layout, data_dir, workdir, **extra):
 GROUPS_SPAN = {"rl.prompts_per_step": 1, "rl.group_size": 8}
 
 # ----------------------------------------------------------------------------- runs
-# The runs are `make test-slow` (CI runs both suites): in one session the 1-process reference and
-# the 2-process programs (through the compilation cache) are shared by the dp8 run and the killed
-# run, which in `make test` cost a reference of their own (310 s of its 27 minutes).
-
-
-@pytest.mark.slow
-def test_two_processes_give_the_one_process_metrics_dp8(reference, data_dir, tmp_path):
-  out = _two_processes("dp8", data_dir, str(tmp_path / "two"), **GROUPS_SPAN)
-  assert "process 1 of 2 joining" in out
-  # each process builds the data shards of its devices' rows only: 8 SFT shards (one per
-  # data-parallel slice), 4 each; the one prompt a step is one shard that both need
-  assert "[p0] sft: process 0 builds data shards [0, 1, 2, 3] of 8" in out
-  assert "[p1] sft: process 1 builds data shards [4, 5, 6, 7] of 8" in out
-  assert "[p1] rl (cotrained): process 1 builds data shards [0] of 1" in out
-  _assert_same_logs(reference("dp8", **GROUPS_SPAN), _logs(str(tmp_path / "two")))
-  # one process wrote them: no line twice
-  assert len(_read(str(tmp_path / "two" / "metrics.jsonl"))) == OVERRIDES["rl.steps"]
-
-
-# The other layouts run the co-training loop itself from the initial policy and an untrained
-# draft (the SFT and distillation phases, their sharded streams and their checkpoints, are the
-# dp8 test's): the SFT phase's step-0 evaluation, 4 RL steps of SD rollouts and co-training
-# steps, their checkpoints and the RL evaluation. That halves what each run compiles.
-RL_ONLY = {"sft.steps": 0, "draft.pretrain_steps": 0}
-RL_LOGS = ("eval", "metrics", "rl_eval")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2_dp4", "cp4_dp2", "pp4_dp2"])
-def test_two_processes_give_the_one_process_metrics(reference, data_dir, tmp_path, layout):
-  _two_processes(layout, data_dir, str(tmp_path / "two"), **RL_ONLY)
-  two = _logs(str(tmp_path / "two"))
-  _assert_same_logs(reference(layout, **RL_ONLY), two, RL_LOGS)
-  assert not two["sft_metrics"] and not two["draft_metrics"]
+# The runs are `make test-slow` (CI runs both suites).
 
 
 def _child_with_process_id(parent: int, process_id: int, deadline: float) -> int:
@@ -227,10 +197,16 @@ def _child_with_process_id(parent: int, process_id: int, deadline: float) -> int
 
 
 @pytest.mark.slow
-def test_a_run_killed_in_one_process_resumes_exactly(reference, data_dir, tmp_path):
-  # the dp8 run of the test above (its reference and, through the compilation cache, its programs)
-  wd = str(tmp_path / "killed")
-  proc = _launch(2, 4, _command("dp8", data_dir, wd, **GROUPS_SPAN))
+def test_two_processes_give_the_one_process_metrics_dp8_across_a_kill(
+  reference, data_dir, tmp_path
+):
+  """Every phase (SFT, distillation, RL) on 2 processes; process 1 is SIGKILLed mid-RL, the
+  launcher stops process 0, and the run started again on 2 processes resumes from the last
+  checkpoint. The metrics files, written before and after the kill, are the 1-process run's."""
+  wd = str(tmp_path / "two")
+  log = tmp_path / "killed.log"  # a file, not a pipe: nothing reads the output until the kill
+  with open(log, "w") as f:
+    proc = _launch(2, 4, _command("dp8", data_dir, wd, **GROUPS_SPAN), stdout=f)
   victim = _child_with_process_id(proc.pid, 1, time.time() + 60)
   metrics = os.path.join(wd, "metrics.jsonl")
   saved = os.path.join(wd, "checkpoints", "rl", "2")  # orbax renames it there once complete
@@ -239,20 +215,50 @@ def test_a_run_killed_in_one_process_resumes_exactly(reference, data_dir, tmp_pa
     if os.path.isdir(saved):  # the RL checkpoint at step 2 exists: kill during steps 3-4
       break
     time.sleep(0.05)
-  assert proc.poll() is None, "the run ended before it could be killed"
+  assert proc.poll() is None, "the run ended before it could be killed: " + log.read_text()[-3000:]
   os.kill(victim, signal.SIGKILL)
-  out, _ = proc.communicate(timeout=120)
+  proc.wait(timeout=120)
+  out = log.read_text()
   assert proc.returncode == 128 + signal.SIGKILL, out[-3000:]
   assert "process 1 exited with status 137; stopping the others" in out
+  assert "process 1 of 2 joining" in out
+  # each process builds the data shards of its devices' rows only: 8 SFT shards (one per
+  # data-parallel slice), 4 each; the one prompt a step is one shard that both need
+  assert "[p0] sft: process 0 builds data shards [0, 1, 2, 3] of 8" in out
+  assert "[p1] sft: process 1 builds data shards [4, 5, 6, 7] of 8" in out
+  assert "[p1] rl (cotrained): process 1 builds data shards [0] of 1" in out
   assert len(_read(metrics)) < OVERRIDES["rl.steps"]
 
   out = _two_processes("dp8", data_dir, wd, **GROUPS_SPAN)
   assert "[p0] Resumed rl from step" in out and "[p1] Resumed rl from step" in out
   _assert_same_logs(reference("dp8", **GROUPS_SPAN), _logs(wd))
+  # one process wrote them: no line twice
+  assert len(_read(metrics)) == OVERRIDES["rl.steps"]
+
+
+# The other layouts run the co-training loop itself from the initial policy and an untrained
+# draft (the SFT and distillation phases, their sharded streams and their checkpoints, are the
+# dp8 test's): the SFT phase's step-0 evaluation, 4 RL steps of SD rollouts and co-training
+# steps, their checkpoints and the RL evaluation. That halves what each run compiles.
+RL_ONLY = {"sft.steps": 0, "draft.pretrain_steps": 0}
+RL_LOGS = ("eval", "metrics", "rl_eval")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2_dp4", "cp4_dp2", "pp4_dp2"])
+def test_two_processes_give_the_one_process_metrics(reference, data_dir, tmp_path, layout):
+  _two_processes(layout, data_dir, str(tmp_path / "two"), **RL_ONLY)
+  two = _logs(str(tmp_path / "two"))
+  _assert_same_logs(reference(layout, **RL_ONLY), two, RL_LOGS)
+  assert not two["sft_metrics"] and not two["draft_metrics"]
 
 
 # The long-context run's entry point joins a multi-process run too (cp8 over 2 processes x 4
 # devices); it replaces an in-process cp8 smoke run of the same config (tests/test_long.py).
+# Shortened: every phase runs, checkpoints and evaluates.
+LONG_SMOKE = {"sft.steps": 4, "eval.every": 4, "checkpoint.every": 4, "rl.steps": 3}
+
+
 @pytest.mark.slow
 def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tmp_path):
   from configs import long as long_config
@@ -261,19 +267,20 @@ def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tm
   d = str(tmp_path / "tfds")
   task_data.prepare(long_config.get_config(spec).task, d)  # once, before any process
   results = str(tmp_path / "results")
-  proc = _launch(2, 4, _entry_command("long_run.py", "long.py", spec, d, results))
+  cmd = _entry_command("long_run.py", "long.py", spec, d, results)
+  proc = _launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in LONG_SMOKE.items()])
   out, _ = proc.communicate(timeout=960)
   assert proc.returncode == 0, out[-4000:]
   assert "process 1 of 2 joining" in out
   rl = _read(os.path.join(results, "run", "metrics.jsonl"))  # the run beside its results
-  c = long_config.get_config(spec)
-  assert [r["step"] for r in rl] == list(range(1, c.rl.steps + 1))  # one writer: no line twice
+  steps = LONG_SMOKE["rl.steps"]
+  assert [r["step"] for r in rl] == list(range(1, steps + 1))  # one writer: no line twice
   for r in rl:
     assert np.isfinite(r["loss"]) and np.isfinite(r["draft_loss"])
   assert max(r["accept_len"] for r in rl) > 1.0  # SD rollouts accepted drafted tokens
   with open(os.path.join(results, "results.json")) as f:
     written = json.load(f)
-  assert written["measured"]["cp"] == 8 and written["measured"]["rl_steps_run"] == c.rl.steps
+  assert written["measured"]["cp"] == 8 and written["measured"]["rl_steps_run"] == steps
   assert "reward.png" in written["plots"]
   # process 0 reports (the measured figures as JSON), process 1 only trains
   assert "[p0] {" in out and "[p1] {" not in out
@@ -281,8 +288,15 @@ def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tm
 
 # The drift experiment's entry point joins a multi-process run: its arms (the RL runs) and its tau
 # measurements (SD generations on the held-out prompts, rows over both processes) give what one
-# process gives, and process 0 alone writes the results.
-DRIFT_SMOKE = {"sft.steps": 4, "draft.pretrain_steps": 2, "rl.steps": 3, "eval.every": 4}
+# process gives, and process 0 alone writes the results. Arms A and C (`:equivalence`): B differs
+# from C only in a draft left untrained.
+DRIFT_SMOKE = {
+  "sft.steps": 4,
+  "draft.pretrain_steps": 2,
+  "rl.steps": 3,
+  "eval.every": 4,
+  "decode.max_new_tokens": 8,
+}
 
 
 @pytest.mark.slow
@@ -290,7 +304,7 @@ def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
   from configs import drift as drift_config
   from specdraft.bench import drift
 
-  spec = "smoke,layout=dp8"
+  spec = "smoke,layout=dp8,equivalence"
   d = str(tmp_path / "tfds")
   task_data.prepare(drift_config.get_config(spec).task, d)  # once, before any process
   c = drift_config.get_config(spec)
@@ -316,7 +330,8 @@ def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
   with open(os.path.join(two, "results.json")) as f:
     got = json.load(f)
   _assert_same(ref["tau_start_by_kind"], got["tau_start_by_kind"], "tau_start_by_kind")
-  for arm in ("fixed", "cotrained"):
+  assert c.drift.arms == ("none", "cotrained")
+  for arm in ("cotrained",):
     for k in ("tau_first", "tau_last", "tau_end", "reward_first"):
       _assert_same(ref["arms"][arm][k], got["arms"][arm][k], f"arms.{arm}.{k}")
   assert set(got["goals"]) == set(ref["goals"])

@@ -339,3 +339,41 @@ def test_a_resumed_workdir_refuses_a_change_to_what_the_run_is(smoke_config, tmp
   with pytest.raises(ValueError, match=r"config\.seed=7 .*started with 0"):
     loop.train_and_evaluate(d, wd)
   assert sorted(os.listdir(wd)) == [loop.RUN_CONFIG]
+
+
+def test_the_rl_state_shards_each_moment_like_its_parameter(tmp_path):
+  """Under fsdp the RL phase's initial state holds the policy's and the draft's Adam moments
+  sharded like their parameters, as the co-training step returns them: not replicated on every
+  device, and the step compiles once instead of again at step 2."""
+  import optax
+
+  from specdraft.train import phases
+  from specdraft.train import state as state_lib
+
+  c = default_config.get_config("smoke,layout=fsdp2_dp4")
+  c.data.data_dir = str(tmp_path / "tfds")
+  ctx = loop.Context(c, str(tmp_path / "run"))
+  params = state_lib.init_state(ctx.pcfg, optax.sgd(0.1), ctx.mesh, ctx.rules, 0)["params"]
+  dparams = phases.init_draft(ctx, params)
+  tx = step_lib.make_cotrain_optimizer(c.rl, c.draft, train_draft=True)
+  state, _ = phases.rl_state(ctx, tx, params, dparams)
+  moments = []
+
+  def same(moment, param):
+    moments.append("fsdp" in str(param.sharding.spec))
+    assert moment.sharding.is_equivalent_to(param.sharding, param.ndim), (
+      f"a moment sharded {moment.sharding.spec} of a {param.shape} parameter sharded "
+      f"{param.sharding.spec}"
+    )
+
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  for part in ("policy", "draft"):  # multi_transform: one masked AdamW per part
+    (adam,) = [
+      x
+      for x in jax.tree.leaves(state["opt_state"].inner_states[part], is_leaf=is_adam)
+      if is_adam(x)
+    ]
+    jax.tree.map(same, adam.mu[part], state["params"][part])
+    jax.tree.map(same, adam.nu[part], state["params"][part])
+    assert adam.count.sharding.is_fully_replicated
+  assert sum(moments) >= 8, "too few fsdp-sharded parameters for the test to mean anything"

@@ -454,15 +454,7 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
   c, rl = ctx.config, ctx.config.rl
   train_draft = c.rollout.draft == "cotrained"
   tx = step_lib.make_cotrain_optimizer(rl, c.draft, train_draft=train_draft)
-  trainable = {"policy": params, "draft": dparams}
-  state = jax.jit(
-    lambda t: {
-      "step": jnp.zeros((), jnp.int32),
-      "params": t,
-      "opt_state": tx.init(t),
-      "key": jax.random.key_data(jax.random.key(c.seed + 3)),
-    }  # shardings follow the parameters' (the policy's and the draft's rules)
-  )(trainable)
+  state, sh = rl_state(ctx, tx, params, dparams)
   train_step = jax.jit(
     functools.partial(
       step_lib.cotrain_step,
@@ -478,6 +470,7 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
       max_tokens=rl.max_new_tokens or c.decode.max_new_tokens,
       **ctx.compute,
     ),
+    out_shardings=(sh, None),
     donate_argnums=0,
   )
   rollout_step = _rollout_step(ctx)
@@ -496,6 +489,26 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
     eval_log="rl_eval.jsonl",
   )
   return run_phase(ctx, phase, state, stop_after)
+
+
+def rl_state(ctx: Context, tx, params, dparams):
+  """The RL phase's initial state {step, params: {policy, draft}, opt_state, key} and its
+  shardings: the parameters keep theirs (the policy's and the draft's rules), their moments follow
+  them, counters and the key are replicated. The co-training step returns its state with the same
+  shardings, so it compiles once, and under fsdp no device ever holds the whole optimizer state
+  (left to the compiler, the zero moments of `tx.init` came out replicated)."""
+  trainable = {"policy": params, "draft": dparams}
+  sh = _state_shardings(ctx, tx, trainable, key=None)
+  state = jax.jit(
+    lambda t: {
+      "step": jnp.zeros((), jnp.int32),
+      "params": t,
+      "opt_state": tx.init(t),
+      "key": jax.random.key_data(jax.random.key(ctx.config.seed + 3)),
+    },
+    out_shardings=sh,
+  )(trainable)
+  return state, sh
 
 
 def _rollout_step(ctx: Context):

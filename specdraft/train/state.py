@@ -11,7 +11,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft.model import policy as pol
@@ -73,14 +72,29 @@ def draft_shardings(dcfg, abstract_dparams, mesh, rules):
 
 
 def opt_shardings(tx, abstract_params, param_shardings, mesh):
-  """Optimizer-state shardings: moments follow their parameters, counters are replicated."""
-  return optax.tree_map_params(
-    tx,
-    lambda _, s: s,
-    jax.eval_shape(tx.init, abstract_params),
-    param_shardings,
-    transform_non_params=lambda _: replicated(mesh),
-  )
+  """Optimizer-state shardings: moments follow their parameters, counters are replicated.
+
+  A leaf of the state is a parameter's moment when its path ends with that parameter's path and
+  its shape is the parameter's (Adam's mu and nu, also inside `optax.chain`, `masked` and
+  `multi_transform` states, whose path names the parameter last); anything else is replicated."""
+  by_path = {
+    tuple(path): (x.shape, sh)
+    for (path, x), sh in zip(
+      jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+      jax.tree.leaves(param_shardings),
+      strict=True,
+    )
+  }
+  depths = sorted({len(p) for p in by_path}, reverse=True)
+
+  def follow(path, leaf):
+    for n in depths:
+      match = by_path.get(tuple(path[-n:])) if len(path) >= n else None
+      if match is not None and match[0] == leaf.shape:
+        return match[1]
+    return replicated(mesh)
+
+  return jax.tree_util.tree_map_with_path(follow, jax.eval_shape(tx.init, abstract_params))
 
 
 def state_shardings(state):
