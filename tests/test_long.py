@@ -158,7 +158,7 @@ def test_frequency_length_range_and_errors():
 
 
 # cp8 with the frequency task runs through experiments/long_run.py on two processes
-# (tests/test_multihost.py)
+# (tests/test_multihost_entry_points.py)
 @pytest.mark.slow  # ~1.5 min; `make test-slow` (and CI) run it
 @pytest.mark.parametrize("layout,task", [("pp2_cp2_dp2", "retrieval")])
 def test_long_context_smoke_run(tmp_path, layout, task):

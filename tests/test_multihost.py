@@ -5,13 +5,12 @@ The co-training loop at a reduced smoke size gives the same metrics files on 2 p
 devices as on 1 process x 8 (discrete fields identical, floats within rtol 1e-5, timings left
 out); a run killed in one process (SIGKILL) resumes exactly; a process that cannot reach the
 coordinator fails with a clear message in bounded time; the launcher stops every process when
-one fails. Data shards and row bookkeeping are checked in this process.
+one fails. Data shards and row bookkeeping are checked in this process. The other entry points'
+multi-process runs are in test_multihost_entry_points.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _multiprocess import ROOT, assert_same, entry_command, launch, read_jsonl
 
 from configs import default as default_config
 from specdraft.parallel import mesh as mesh_lib
@@ -29,8 +29,6 @@ from specdraft.tasks import CharTokenizer, loader
 from specdraft.tasks import datasets as task_data
 from specdraft.train import loop, shards
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {"rollout_seconds", "train_seconds", "seconds_per_step"}
 LOGS = ("sft_metrics", "eval", "draft_metrics", "metrics", "rl_eval")
 # The smoke run, shortened: every phase logs, evaluates and checkpoints at least twice.
 OVERRIDES = {
@@ -68,73 +66,19 @@ SRUN = {
 }
 
 
-def _entry_command(script: str, config: str, spec: str, data_dir: str, workdir: str) -> list[str]:
-  """`python experiments/<script> --config=configs/<config>:<spec>` on `data_dir`, into `workdir`."""
-  return [
-    sys.executable,
-    os.path.join(ROOT, "experiments", script),
-    f"--config={os.path.join(ROOT, 'configs', config)}:{spec}",
-    f"--workdir={workdir}",
-    f"--config.data.data_dir={data_dir}",
-  ]
-
-
 def _command(layout: str, data_dir: str, workdir: str, **extra) -> list[str]:
-  cmd = _entry_command("train.py", "default.py", f"smoke,layout={layout}", data_dir, workdir)
+  cmd = entry_command("train.py", "default.py", f"smoke,layout={layout}", data_dir, workdir)
   return cmd + [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
 
 
-def _launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, **kw):
-  """The local launcher as a subprocess (it passes this process's XLA flags on, less the device
-  count, so every process compiles as the in-process reference does)."""
-  launcher = [
-    sys.executable,
-    os.path.join(ROOT, "scripts", "launch_local.py"),
-    str(n),
-    str(devices),
-  ]
-  return subprocess.Popen(
-    launcher + ["--timeout", str(timeout), "--"] + cmd,
-    cwd=ROOT,
-    stdout=kw.pop("stdout", subprocess.PIPE),
-    stderr=subprocess.STDOUT,
-    text=True,
-    **kw,
-  )
-
-
-def _read(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(ln) for ln in f if ln.strip()]
-
-
 def _logs(workdir):
-  return {name: _read(os.path.join(workdir, f"{name}.jsonl")) for name in LOGS}
-
-
-def _assert_same(a, b, path="", rtol=1e-5):
-  """Discrete fields identical, floats within rtol, timing fields left out."""
-  if isinstance(a, dict):
-    assert set(a) == set(b), f"{path}: keys differ {set(a) ^ set(b)}"
-    for k in a:
-      if k not in TIMING:
-        _assert_same(a[k], b[k], f"{path}.{k}", rtol)
-  elif isinstance(a, list):
-    assert len(a) == len(b), f"{path}: {len(a)} vs {len(b)} entries"
-    for i, (x, y) in enumerate(zip(a, b)):
-      _assert_same(x, y, f"{path}[{i}]", rtol)
-  elif isinstance(a, float) and isinstance(b, float):
-    assert math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12), f"{path}: {a} vs {b}"
-  else:
-    assert a == b, f"{path}: {a!r} vs {b!r}"
+  return {name: read_jsonl(os.path.join(workdir, f"{name}.jsonl")) for name in LOGS}
 
 
 def _assert_same_logs(ref, got, names=LOGS):
   for name in names:
     assert len(ref[name]) > 0, f"the reference run wrote no {name}.jsonl"
-    _assert_same(ref[name], got[name], name)
+    assert_same(ref[name], got[name], name)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +105,7 @@ def reference(tmp_path_factory, data_dir):
 
 
 def _two_processes(layout, data_dir, workdir, **extra):
-  proc = _launch(2, 4, _command(layout, data_dir, workdir, **extra))
+  proc = launch(2, 4, _command(layout, data_dir, workdir, **extra))
   out, _ = proc.communicate(timeout=960)
   assert proc.returncode == 0, out[-4000:]
   return out
@@ -206,7 +150,7 @@ def test_two_processes_give_the_one_process_metrics_dp8_across_a_kill(
   wd = str(tmp_path / "two")
   log = tmp_path / "killed.log"  # a file, not a pipe: nothing reads the output until the kill
   with open(log, "w") as f:
-    proc = _launch(2, 4, _command("dp8", data_dir, wd, **GROUPS_SPAN), stdout=f)
+    proc = launch(2, 4, _command("dp8", data_dir, wd, **GROUPS_SPAN), stdout=f)
   victim = _child_with_process_id(proc.pid, 1, time.time() + 60)
   metrics = os.path.join(wd, "metrics.jsonl")
   saved = os.path.join(wd, "checkpoints", "rl", "2")  # orbax renames it there once complete
@@ -227,13 +171,13 @@ def test_two_processes_give_the_one_process_metrics_dp8_across_a_kill(
   assert "[p0] sft: process 0 builds data shards [0, 1, 2, 3] of 8" in out
   assert "[p1] sft: process 1 builds data shards [4, 5, 6, 7] of 8" in out
   assert "[p1] rl (cotrained): process 1 builds data shards [0] of 1" in out
-  assert len(_read(metrics)) < OVERRIDES["rl.steps"]
+  assert len(read_jsonl(metrics)) < OVERRIDES["rl.steps"]
 
   out = _two_processes("dp8", data_dir, wd, **GROUPS_SPAN)
   assert "[p0] Resumed rl from step" in out and "[p1] Resumed rl from step" in out
   _assert_same_logs(reference("dp8", **GROUPS_SPAN), _logs(wd))
   # one process wrote them: no line twice
-  assert len(_read(metrics)) == OVERRIDES["rl.steps"]
+  assert len(read_jsonl(metrics)) == OVERRIDES["rl.steps"]
 
 
 # The other layouts run the co-training loop itself from the initial policy and an untrained
@@ -251,92 +195,6 @@ def test_two_processes_give_the_one_process_metrics(reference, data_dir, tmp_pat
   two = _logs(str(tmp_path / "two"))
   _assert_same_logs(reference(layout, **RL_ONLY), two, RL_LOGS)
   assert not two["sft_metrics"] and not two["draft_metrics"]
-
-
-# The long-context run's entry point joins a multi-process run too (cp8 over 2 processes x 4
-# devices); it replaces an in-process cp8 smoke run of the same config (tests/test_long.py).
-# Shortened: every phase runs, checkpoints and evaluates.
-LONG_SMOKE = {"sft.steps": 4, "eval.every": 4, "checkpoint.every": 4, "rl.steps": 3}
-
-
-@pytest.mark.slow
-def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tmp_path):
-  from configs import long as long_config
-
-  spec = "smoke,layout=cp8,task=frequency"
-  d = str(tmp_path / "tfds")
-  task_data.prepare(long_config.get_config(spec).task, d)  # once, before any process
-  results = str(tmp_path / "results")
-  cmd = _entry_command("long_run.py", "long.py", spec, d, results)
-  proc = _launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in LONG_SMOKE.items()])
-  out, _ = proc.communicate(timeout=960)
-  assert proc.returncode == 0, out[-4000:]
-  assert "process 1 of 2 joining" in out
-  rl = _read(os.path.join(results, "run", "metrics.jsonl"))  # the run beside its results
-  steps = LONG_SMOKE["rl.steps"]
-  assert [r["step"] for r in rl] == list(range(1, steps + 1))  # one writer: no line twice
-  for r in rl:
-    assert np.isfinite(r["loss"]) and np.isfinite(r["draft_loss"])
-  assert max(r["accept_len"] for r in rl) > 1.0  # SD rollouts accepted drafted tokens
-  with open(os.path.join(results, "results.json")) as f:
-    written = json.load(f)
-  assert written["measured"]["cp"] == 8 and written["measured"]["rl_steps_run"] == steps
-  assert "reward.png" in written["plots"]
-  # process 0 reports (the measured figures as JSON), process 1 only trains
-  assert "[p0] {" in out and "[p1] {" not in out
-
-
-# The drift experiment's entry point joins a multi-process run: its arms (the RL runs) and its tau
-# measurements (SD generations on the held-out prompts, rows over both processes) give what one
-# process gives, and process 0 alone writes the results. Arms A and C (`:equivalence`): B differs
-# from C only in a draft left untrained.
-DRIFT_SMOKE = {
-  "sft.steps": 4,
-  "draft.pretrain_steps": 2,
-  "rl.steps": 3,
-  "eval.every": 4,
-  "decode.max_new_tokens": 8,
-}
-
-
-@pytest.mark.slow
-def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
-  from configs import drift as drift_config
-  from specdraft.bench import drift
-
-  spec = "smoke,layout=dp8,equivalence"
-  d = str(tmp_path / "tfds")
-  task_data.prepare(drift_config.get_config(spec).task, d)  # once, before any process
-  c = drift_config.get_config(spec)
-  c.data.data_dir = d
-  for key, value in DRIFT_SMOKE.items():
-    section, field = key.split(".")
-    c[section][field] = value
-  one = str(tmp_path / "one")
-  drift.run(c, one)  # 1 process x 8 devices, in this process
-  two = str(tmp_path / "two")
-  cmd = _entry_command("drift.py", "drift.py", spec, d, two)
-  proc = _launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in DRIFT_SMOKE.items()])
-  out, _ = proc.communicate(timeout=960)
-  assert proc.returncode == 0, out[-4000:]
-  assert "process 1 of 2 joining" in out
-  for arm in c.drift.arms:
-    run = os.path.join("runs", f"{arm}_seed0", "metrics.jsonl")
-    ref = _read(os.path.join(one, run))
-    assert [r["step"] for r in ref] == [1, 2, 3], arm
-    _assert_same(ref, _read(os.path.join(two, run)), arm)  # one writer: no line twice either
-  with open(os.path.join(one, "results.json")) as f:
-    ref = json.load(f)
-  with open(os.path.join(two, "results.json")) as f:
-    got = json.load(f)
-  _assert_same(ref["tau_start_by_kind"], got["tau_start_by_kind"], "tau_start_by_kind")
-  assert c.drift.arms == ("none", "cotrained")
-  for arm in ("cotrained",):
-    for k in ("tau_first", "tau_last", "tau_end", "reward_first"):
-      _assert_same(ref["arms"][arm][k], got["arms"][arm][k], f"arms.{arm}.{k}")
-  assert set(got["goals"]) == set(ref["goals"])
-  # process 0 reports (the goals table), process 1 only runs its part of every arm
-  assert "[p0] " in out and "reward" in out and out.count("seed 0: reward") == len(c.drift.arms)
 
 
 def test_single_process_entry_points_refuse_a_multi_process_launch():
@@ -409,7 +267,7 @@ def test_the_launcher_sets_each_process_up_and_stops_all_when_one_fails():
     "sys.exit(3) if i == 1 else time.sleep(300)"
   )
   t0 = time.time()
-  proc = _launch(2, 2, [sys.executable, "-c", code], timeout=200)
+  proc = launch(2, 2, [sys.executable, "-c", code], timeout=200)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 3, out
   assert time.time() - t0 < 60  # process 0 (sleeping 300 s) was stopped
