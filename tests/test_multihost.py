@@ -41,6 +41,7 @@ OVERRIDES = {
   "rl.steps": 4,
   "rl.eval_every": 4,
   "eval.report_repeats": 0,
+  "eval.num_examples": 8,  # one batch
   # 8 new tokens a rollout: every decode round of SD and every greedy step of the evaluation
   # synchronises the processes (gloo over TCP here), which at 24 tokens was most of a run
   "decode.max_new_tokens": 8,
@@ -182,9 +183,9 @@ def test_two_processes_give_the_one_process_metrics_dp8_across_a_kill(
 
 # The other layouts run the co-training loop itself from the initial policy and an untrained
 # draft (the SFT and distillation phases, their sharded streams and their checkpoints, are the
-# dp8 test's): the SFT phase's step-0 evaluation, 4 RL steps of SD rollouts and co-training
+# dp8 test's): the SFT phase's step-0 evaluation, 3 RL steps of SD rollouts and co-training
 # steps, their checkpoints and the RL evaluation. That halves what each run compiles.
-RL_ONLY = {"sft.steps": 0, "draft.pretrain_steps": 0}
+RL_ONLY = {"sft.steps": 0, "draft.pretrain_steps": 0, "rl.steps": 3, "rl.eval_every": 3}
 RL_LOGS = ("eval", "metrics", "rl_eval")
 
 
