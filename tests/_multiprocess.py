@@ -65,3 +65,14 @@ def assert_same(a, b, path="", rtol=1e-5):
     assert math.isclose(a, b, rel_tol=rtol, abs_tol=1e-12), f"{path}: {a} vs {b}"
   else:
     assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def run_on_two_processes(script, config, spec, data_dir, workdir, overrides) -> str:
+  """`experiments/<script>` with `--config.<key>=<value>` overrides on 2 processes x 4 devices:
+  its output, once it succeeded and process 1 joined."""
+  cmd = entry_command(script, config, spec, data_dir, workdir)
+  proc = launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in overrides.items()])
+  out, _ = proc.communicate(timeout=960)
+  assert proc.returncode == 0, out[-4000:]
+  assert "process 1 of 2 joining" in out
+  return out

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from _multiprocess import assert_same, entry_command, launch, read_jsonl
+from _multiprocess import assert_same, read_jsonl, run_on_two_processes
 
 from specdraft.tasks import datasets as task_data
 
@@ -28,11 +28,7 @@ def test_the_long_run_entry_point_runs_on_two_processes_and_process_0_reports(tm
   d = str(tmp_path / "tfds")
   task_data.prepare(long_config.get_config(spec).task, d)  # once, before any process
   results = str(tmp_path / "results")
-  cmd = entry_command("long_run.py", "long.py", spec, d, results)
-  proc = launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in LONG_SMOKE.items()])
-  out, _ = proc.communicate(timeout=960)
-  assert proc.returncode == 0, out[-4000:]
-  assert "process 1 of 2 joining" in out
+  out = run_on_two_processes("long_run.py", "long.py", spec, d, results, LONG_SMOKE)
   rl = read_jsonl(os.path.join(results, "run", "metrics.jsonl"))  # the run beside its results
   steps = LONG_SMOKE["rl.steps"]
   assert [r["step"] for r in rl] == list(range(1, steps + 1))  # one writer: no line twice
@@ -76,11 +72,7 @@ def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
   one = str(tmp_path / "one")
   drift.run(c, one)  # 1 process x 8 devices, in this process
   two = str(tmp_path / "two")
-  cmd = entry_command("drift.py", "drift.py", spec, d, two)
-  proc = launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in DRIFT_SMOKE.items()])
-  out, _ = proc.communicate(timeout=960)
-  assert proc.returncode == 0, out[-4000:]
-  assert "process 1 of 2 joining" in out
+  out = run_on_two_processes("drift.py", "drift.py", spec, d, two, DRIFT_SMOKE)
   for arm in c.drift.arms:
     run = os.path.join("runs", f"{arm}_seed0", "metrics.jsonl")
     ref = read_jsonl(os.path.join(one, run))

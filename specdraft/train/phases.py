@@ -392,17 +392,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   """Distils the draft from the fixed SFT policy; returns (draft params, finished)."""
   c, dc = ctx.config, ctx.config.draft
   tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
-  dparams = init_draft(ctx, params)
-  sh = _state_shardings(ctx, tx, dparams, key=None)
-  state = jax.jit(
-    lambda d: {
-      "step": jnp.zeros((), jnp.int32),
-      "params": d,
-      "opt_state": tx.init(d),
-      "key": jax.random.key_data(jax.random.key(c.seed + 2)),
-    },
-    out_shardings=sh,
-  )(dparams)
+  state, sh = _keyed_state(ctx, tx, init_draft(ctx, params), c.seed + 2)
   temps = rollout_temperatures(dc)
   step_fns = {
     t: jax.jit(
@@ -497,17 +487,22 @@ def rl_state(ctx: Context, tx, params, dparams):
   them, counters and the key are replicated. The co-training step returns its state with the same
   shardings, so it compiles once, and under fsdp no device ever holds the whole optimizer state
   (left to the compiler, the zero moments of `tx.init` came out replicated)."""
-  trainable = {"policy": params, "draft": dparams}
-  sh = _state_shardings(ctx, tx, trainable, key=None)
+  return _keyed_state(ctx, tx, {"policy": params, "draft": dparams}, ctx.config.seed + 3)
+
+
+def _keyed_state(ctx: Context, tx, params, seed: int):
+  """({step, params, opt_state, key}, its shardings) for placed `params` (`_state_shardings`),
+  the key from `seed`."""
+  sh = _state_shardings(ctx, tx, params, key=None)
   state = jax.jit(
-    lambda t: {
+    lambda p: {
       "step": jnp.zeros((), jnp.int32),
-      "params": t,
-      "opt_state": tx.init(t),
-      "key": jax.random.key_data(jax.random.key(ctx.config.seed + 3)),
+      "params": p,
+      "opt_state": tx.init(p),
+      "key": jax.random.key_data(jax.random.key(seed)),
     },
     out_shardings=sh,
-  )(trainable)
+  )(params)
   return state, sh
 
 
