@@ -17,7 +17,13 @@ from specdraft.tasks import datasets as task_data
 # The long-context run's entry point joins a multi-process run too (cp8 over 2 processes x 4
 # devices); it replaces an in-process cp8 smoke run of the same config (tests/test_long.py).
 # Shortened: every phase runs, checkpoints and evaluates.
-LONG_SMOKE = {"sft.steps": 4, "eval.every": 4, "checkpoint.every": 4, "rl.steps": 3}
+LONG_SMOKE = {
+  "sft.steps": 2,
+  "eval.every": 2,
+  "checkpoint.every": 2,
+  "draft.pretrain_steps": 3,
+  "rl.steps": 2,
+}
 
 
 @pytest.mark.slow
