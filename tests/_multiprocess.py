@@ -13,18 +13,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {"rollout_seconds", "train_seconds", "seconds_per_step"}
 
 
-def entry_command(script: str, config: str, spec: str, data_dir: str, workdir: str) -> list[str]:
-  """`python experiments/<script> --config=configs/<config>:<spec>` on `data_dir`, into `workdir`."""
+def entry_command(script, config, spec, data_dir, workdir, overrides=None) -> list[str]:
+  """`python experiments/<script> --config=configs/<config>:<spec>` on `data_dir`, into `workdir`,
+  with `--config.<key>=<value>` for each of `overrides`."""
   return [
     sys.executable,
     os.path.join(ROOT, "experiments", script),
     f"--config={os.path.join(ROOT, 'configs', config)}:{spec}",
     f"--workdir={workdir}",
     f"--config.data.data_dir={data_dir}",
-  ]
+  ] + [f"--config.{k}={v}" for k, v in (overrides or {}).items()]
 
 
-def launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, **kw):
+def launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, stdout=subprocess.PIPE):
   """The local launcher as a subprocess (it passes this process's XLA flags on, less the device
   count, so every process compiles as the in-process reference does)."""
   launcher = [
@@ -36,10 +37,9 @@ def launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, **kw):
   return subprocess.Popen(
     launcher + ["--timeout", str(timeout), "--"] + cmd,
     cwd=ROOT,
-    stdout=kw.pop("stdout", subprocess.PIPE),
+    stdout=stdout,
     stderr=subprocess.STDOUT,
     text=True,
-    **kw,
   )
 
 
@@ -70,8 +70,7 @@ def assert_same(a, b, path="", rtol=1e-5):
 def run_on_two_processes(script, config, spec, data_dir, workdir, overrides) -> str:
   """`experiments/<script>` with `--config.<key>=<value>` overrides on 2 processes x 4 devices:
   its output, once it succeeded and process 1 joined."""
-  cmd = entry_command(script, config, spec, data_dir, workdir)
-  proc = launch(2, 4, cmd + [f"--config.{k}={v}" for k, v in overrides.items()])
+  proc = launch(2, 4, entry_command(script, config, spec, data_dir, workdir, overrides))
   out, _ = proc.communicate(timeout=960)
   assert proc.returncode == 0, out[-4000:]
   assert "process 1 of 2 joining" in out

@@ -20,7 +20,14 @@ import time
 import jax
 import numpy as np
 import pytest
-from _multiprocess import ROOT, assert_same, entry_command, launch, read_jsonl
+from _multiprocess import (
+  ROOT,
+  assert_same,
+  entry_command,
+  launch,
+  read_jsonl,
+  run_on_two_processes,
+)
 
 from configs import default as default_config
 from specdraft.parallel import mesh as mesh_lib
@@ -68,8 +75,8 @@ SRUN = {
 
 
 def _command(layout: str, data_dir: str, workdir: str, **extra) -> list[str]:
-  cmd = entry_command("train.py", "default.py", f"smoke,layout={layout}", data_dir, workdir)
-  return cmd + [f"--config.{k}={v}" for k, v in {**OVERRIDES, **extra}.items()]
+  spec = f"smoke,layout={layout}"
+  return entry_command("train.py", "default.py", spec, data_dir, workdir, {**OVERRIDES, **extra})
 
 
 def _logs(workdir):
@@ -106,10 +113,9 @@ def reference(tmp_path_factory, data_dir):
 
 
 def _two_processes(layout, data_dir, workdir, **extra):
-  proc = launch(2, 4, _command(layout, data_dir, workdir, **extra))
-  out, _ = proc.communicate(timeout=960)
-  assert proc.returncode == 0, out[-4000:]
-  return out
+  spec = f"smoke,layout={layout}"
+  overrides = {**OVERRIDES, **extra}
+  return run_on_two_processes("train.py", "default.py", spec, data_dir, workdir, overrides)
 
 
 # One prompt a step in groups of 8 rows: every group spans both processes, whose rewards must
