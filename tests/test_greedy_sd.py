@@ -172,3 +172,111 @@ def test_rows_stop_at_the_policys_own_eos_id(setup):
     assert n_new == (hits[0] + 1 if len(hits) else n_old)
   np.testing.assert_array_equal(np.asarray(sd3.tokens), np.asarray(ar3.tokens))
   np.testing.assert_array_equal(np.asarray(sd3.lengths), np.asarray(ar3.lengths))
+
+
+def _adaptive_choice(M: int, slope: float):
+  """round_seconds growing linearly in G: with the confident prior of `_PRIOR` the first rounds
+  draft G_max, and the draft's real acceptance then moves the choice (the tests assert that
+  several G were chosen)."""
+  return np.asarray([1.0 + slope * g for g in range(M + 1)], np.float32)
+
+
+def _prior(M: int):
+  from specdraft.decode import cost
+
+  return cost.Acceptance.prior(M, rate=0.97, weight=1.0)
+
+
+def _flat_cost(pcfg, dcfg, slope: float):
+  """A cost model whose round seconds do not depend on the rows (so every bucket chooses alike:
+  compaction then leaves even an adaptive run's sampled tokens unchanged)."""
+  from specdraft.decode import cost
+
+  class Flat(cost.CostModel):
+    def round_seconds_all(self, rows, num_draft_max, capacity):
+      return _adaptive_choice(num_draft_max, slope)
+
+  return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
+
+
+@pytest.mark.parametrize("mode", ["ar", "fixed", "adaptive"])
+def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
+  """Greedy decoding through the engine (finished rows compacted into power-of-two buckets; with
+  `adaptive`, G in 0..4 chosen per round) gives the AR tokens exactly."""
+  if mode == "ar" and setup[1].__class__ is not eagle3.DraftConfig:
+    pytest.skip("AR decoding has no draft: run once, with the eagle3 setup")
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  kw = dict(max_new_tokens=N, temperature=0.0, compact=True)
+  if mode == "ar":
+    gen = engine.generate(
+      params, None, pcfg, None, prompts, lengths, jax.random.key(0), num_draft=0, **kw
+    )
+  else:
+    gen = engine.generate(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      prompts,
+      lengths,
+      jax.random.key(0),
+      num_draft=4,
+      adaptive=mode == "adaptive",
+      cost=_flat_cost(pcfg, dcfg, 0.3),
+      prior=_prior(4),
+      **kw,
+    )
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  st = jax.device_get(gen.stats)
+  # compaction ran: fewer row-passes than full-batch passes (rows end at different lengths)
+  assert st["row_passes"] < st["policy_passes"] * len(lengths), st
+  if mode == "adaptive":
+    assert np.count_nonzero(st["num_draft_counts"]) >= 2, st["num_draft_counts"]
+    trace = st["num_draft_trace"][: st["rounds"]]
+    assert (trace >= 0).all() and np.bincount(trace, minlength=5).tolist() == st[
+      "num_draft_counts"
+    ].tolist()
+
+
+@pytest.mark.parametrize("mode", ["ar", "fixed", "adaptive"])
+def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
+  """Sampled decoding: the same key gives every row the same tokens with and without compaction
+  (each row draws from its own key), and the engine without compaction is `generate` itself."""
+  if mode == "ar" and setup[1].__class__ is not eagle3.DraftConfig:
+    pytest.skip("AR decoding has no draft: run once, with the eagle3 setup")
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, _, _ = setup
+  G = 0 if mode == "ar" else 3
+  kw = dict(max_new_tokens=N, temperature=1.0, num_draft=G, adaptive=mode == "adaptive")
+  kw.update(cost=_flat_cost(pcfg, dcfg, 0.3), prior=_prior(G))
+  run = lambda compact: engine.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(5), compact=compact, **kw
+  )
+  a, b = run(True), run(False)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), rtol=1e-5, atol=1e-6)
+  assert len(set(np.asarray(a.lengths).tolist())) > 1  # rows ended at different rounds
+  if mode == "fixed":
+    ref = speculative.generate(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      prompts,
+      lengths,
+      jax.random.key(5),
+      max_new_tokens=N,
+      temperature=1.0,
+      num_draft=G,
+    )
+    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
+  if mode == "ar":
+    ref = autoregressive.generate(
+      params, pcfg, prompts, lengths, jax.random.key(5), max_new_tokens=N, temperature=1.0
+    )
+    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))

@@ -7,11 +7,12 @@ V vocabulary.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from specdraft.decode.sampling import Generation, distribution, draw, take
+from specdraft.decode.sampling import Generation, Sampling, distribution, draw, take
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
@@ -36,43 +37,89 @@ def generate(
 
   Tokens come from `sampling.processed_logits` (temperature, then top-k, then top-p); the
   recorded log-probs are of that distribution. One policy pass per generated token; the loop
-  ends early once every row has stopped.
+  ends early once every row has stopped. Every row draws from its own key (split from `key`),
+  so `decode.engine` can compact finished rows away without changing any row's tokens.
   """
+  spec = Spec(cfg, max_new_tokens, Sampling(temperature, top_k, top_p))
+  carry = init(params, prompt_BS, prompt_lengths_B, key, spec=spec)
+  return finish(run(params, carry, jnp.int32(0), spec=spec), spec)
+
+
+class Spec(NamedTuple):
+  """The static settings of one generation (hashable: part of the compiled program)."""
+
+  pcfg: pol.PolicyConfig
+  max_new_tokens: int  # N
+  sampling: Sampling
+
+
+def init(params, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
+  """The prefill: the loop's carry (one PRNG key per row, split from `key`)."""
   B, S = prompt_BS.shape
-  N = max_new_tokens
-  cache = pol.init_cache(cfg, B, S + N)
-  logits_BSV, _, cache = pol.prefill(params, cfg, cache, prompt_BS, prompt_lengths_B)
+  N = spec.max_new_tokens
+  cache = pol.init_cache(spec.pcfg, B, S + N)
+  logits_BSV, _, cache = pol.prefill(params, spec.pcfg, cache, prompt_BS, prompt_lengths_B)
   last_BV = jnp.take_along_axis(logits_BSV, (prompt_lengths_B - 1)[:, None, None], axis=1)[:, 0]
+  return {
+    "step": jnp.int32(0),
+    "cache": cache,
+    "last": last_BV,
+    "key": jax.random.split(key, B),
+    "done": jnp.zeros((B,), bool),
+    "tokens": jnp.full((B, N), PAD, jnp.int32),
+    "logprobs": jnp.zeros((B, N), jnp.float32),
+    "stats": {
+      "policy_passes": jnp.int32(1),
+      "row_passes": jnp.int32(B),
+      "active_trace": jnp.zeros((N,), jnp.int32),
+    },
+  }
 
-  def cond(carry):
-    step, done_B = carry[0], carry[4]
-    return (step < N) & ~jnp.all(done_B)
 
-  def body(carry):
-    step, cache, last_BV, key, done_B, tokens_BN, logprobs_BN, passes = carry
-    key, sub = jax.random.split(key)
-    _, logp_BV = distribution(last_BV, temperature, top_k, top_p)
-    token_B = draw(sub, logp_BV, temperature)
+def num_active(carry):
+  return jnp.sum(~carry["done"]).astype(jnp.int32)
+
+
+def run(params, carry, stop_below, *, spec: Spec) -> dict:
+  """Steps until every row is done, N tokens are out, or no more than `stop_below` rows still
+  generate (the engine then compacts them into a smaller batch)."""
+  cfg, N, sm = spec.pcfg, spec.max_new_tokens, spec.sampling
+
+  def cond(c):
+    n = num_active(c)
+    return (c["step"] < N) & (n > 0) & (n > stop_below)
+
+  def body(c):
+    step, done_B = c["step"], c["done"]
+    keys = jax.vmap(lambda k: jax.random.split(k, 2))(c["key"])
+    _, logp_BV = distribution(c["last"], *sm)
+    token_B = jax.vmap(lambda k, lp: draw(k, lp, sm.temperature))(keys[:, 1], logp_BV)
     logprob_B = take(logp_BV, token_B)
-    tokens_BN = tokens_BN.at[:, step].set(jnp.where(done_B, PAD, token_B))
-    logprobs_BN = logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B))
-    done_B = done_B | pol.is_stop(cfg, token_B)
-    logits_B1V, _, cache = pol.decode(params, cfg, cache, token_B[:, None])
-    return step + 1, cache, logits_B1V[:, 0], key, done_B, tokens_BN, logprobs_BN, passes + 1
+    logits_B1V, _, cache = pol.decode(params, cfg, c["cache"], token_B[:, None])
+    st = dict(c["stats"])
+    st["policy_passes"] += 1
+    st["row_passes"] += done_B.shape[0]
+    st["active_trace"] = st["active_trace"].at[step].set(num_active(c), mode="drop")
+    return {
+      "step": step + 1,
+      "cache": cache,
+      "last": logits_B1V[:, 0],
+      "key": keys[:, 0],
+      "done": done_B | pol.is_stop(cfg, token_B),
+      "tokens": c["tokens"].at[:, step].set(jnp.where(done_B, PAD, token_B)),
+      "logprobs": c["logprobs"].at[:, step].set(jnp.where(done_B, 0.0, logprob_B)),
+      "stats": st,
+    }
 
-  init = (
-    jnp.int32(0),
-    cache,
-    last_BV,
-    key,
-    jnp.zeros((B,), bool),
-    jnp.full((B, N), PAD, jnp.int32),
-    jnp.zeros((B, N), jnp.float32),
-    jnp.int32(1),
+  return jax.lax.while_loop(cond, body, carry)
+
+
+def finish(carry, spec: Spec) -> Generation:
+  """The batch's Generation from the loop's carry."""
+  tokens_BN = carry["tokens"]
+  return Generation(
+    tokens_BN, carry["logprobs"], output_lengths(tokens_BN, spec.pcfg), carry["stats"]
   )
-  _, _, _, _, _, tokens_BN, logprobs_BN, passes = jax.lax.while_loop(cond, body, init)
-  lengths_B = output_lengths(tokens_BN, cfg)
-  return Generation(tokens_BN, logprobs_BN, lengths_B, {"policy_passes": passes})
 
 
 def output_lengths(tokens_BN, cfg=None):

@@ -11,14 +11,24 @@ or bonus token c' (tau = a + 1 tokens per round). Both caches roll back by setti
   tokens at once (DSpark's Markov head then walks the block serially on the sampled tokens);
   after verification the policy's taps at the verified positions become the draft's context.
 
+Speculation length: a fixed G every round, or (`schedule.adaptive`) a G in 0..G_max chosen before
+every round from a cost model of a round on this machine and the running per-position acceptance
+(`decode.cost`); G = 0 is a plain autoregressive step inside the same loop (the draft still takes
+in the verified token, so it can propose again in a later round). Every choice is lossless.
+
+Every row carries its own PRNG key, split once per round whatever the batch: a row's tokens depend
+on its key and its own history only, so gathering the active rows into a smaller batch
+(`decode.engine`, compaction) leaves every row's output unchanged.
+
 Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens, G draft
-tokens per round (G1 = G + 1 verified entries), X = N + G + 1 output buffer, V vocabulary,
-E width.
+tokens this round, M = G_max (the most any round drafts; buffers are sized by it), G1 = G + 1
+verified entries, X = N + M + 1 output buffer, V vocabulary, E width.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +50,7 @@ from specdraft.tasks.tokenizer import PAD
     "top_k",
     "top_p",
     "num_draft",
+    "adaptive",
     "sampler",
   ),
 )
@@ -57,6 +68,9 @@ def generate(
   num_draft: int,
   top_k: int = 0,
   top_p: float = 1.0,
+  adaptive: bool = False,
+  round_seconds=None,
+  prior=None,
   sampler=rejection_sample,
 ) -> Generation:
   """Speculative generation; same interface and output as `autoregressive.generate`.
@@ -65,31 +79,146 @@ def generate(
   temperature, top-k, top-p): verification compares it with the draft's distribution under the
   same processing, so the output is distributed exactly as AR sampling with these settings.
 
+  `num_draft` is G, or with `adaptive` the most a round drafts (G_max); then `round_seconds`
+  [G_max + 1] (the predicted seconds of a round at each G, `decode.cost`) and `prior` (pseudo
+  counts (accepted, reached) [G_max] each, `decode.cost.Acceptance`) decide G before every round.
   `sampler` is the verification rule (tests swap in a broken one as a negative control).
+  `decode.engine.generate` runs the same rounds with finished rows compacted out of the batch.
 
-  stats: policy_passes, draft_passes, rounds, tau_sum and row_rounds (tau = tau_sum/row_rounds),
-  accept_counts[G] and reach_counts[G] (per-position conditional acceptance = accept/reach).
+  stats: policy_passes, row_passes (rows of every policy pass, summed), draft_passes, rounds,
+  tau_sum and row_rounds (tau = tau_sum/row_rounds), accept_counts[G_max] and reach_counts[G_max]
+  (per-position conditional acceptance = accept/reach), num_draft_counts[G_max + 1] (rounds at each
+  G), and per round r < rounds: num_draft_trace[r] (its G) and active_trace[r] (rows generating).
   """
-  models = _Models(params, dparams, pcfg, dcfg)
-  N, G = max_new_tokens, num_draft
-  sm = Sampling(temperature, top_k, top_p)
-  if drafts.is_block(dcfg):
-    if G > dcfg.num_proposals:
+  spec = Spec(pcfg, dcfg, max_new_tokens, num_draft, adaptive, Sampling(temperature, top_k, top_p))
+  carry = init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
+  choice = Choice.of(spec, round_seconds, prior)
+  carry = run(params, dparams, carry, choice, jnp.int32(0), spec=spec, sampler=sampler)
+  return finish(carry, spec)
+
+
+class Spec(NamedTuple):
+  """The static settings of one generation (hashable: part of the compiled program)."""
+
+  pcfg: pol.PolicyConfig
+  dcfg: drafts.DraftConfig
+  max_new_tokens: int  # N
+  num_draft: int  # G, or G_max when adaptive
+  adaptive: bool
+  sampling: Sampling
+
+
+class Choice(NamedTuple):
+  """What an adaptive round's G is chosen from: the predicted seconds of a round at each G at
+  this batch [G_max + 1] and the acceptance prior's pseudo counts (accepted, reached) [G_max]."""
+
+  round_seconds: jax.Array
+  prior_accepted: jax.Array
+  prior_reached: jax.Array
+
+  @classmethod
+  def of(cls, spec: Spec, round_seconds, prior) -> Choice:
+    M = spec.num_draft
+    if not spec.adaptive:  # unused: a fixed G
+      return cls(jnp.ones((M + 1,), jnp.float32), jnp.zeros((M,)), jnp.zeros((M,)))
+    if round_seconds is None or prior is None:
+      raise ValueError("adaptive speculation needs round_seconds and prior (decode.cost)")
+    rs = jnp.asarray(round_seconds, jnp.float32)
+    if rs.shape != (M + 1,):
+      raise ValueError(f"round_seconds has shape {rs.shape}; expected ({M + 1},): G = 0..{M}")
+    acc, reach = (jnp.asarray(x, jnp.float32) for x in prior)
+    return cls(rs, acc, reach)
+
+
+def choose_num_draft(stats: dict, choice: Choice):
+  """The G in 0..G_max that maximises expected tokens per second: E[a + 1 | G] / seconds(G),
+  with E[a + 1 | G] = 1 + sum_{i <= G} prod_{j <= i} alpha_j and alpha_j the conditional
+  acceptance at position j from the prior's and this generation's counts. Every row still
+  generating rides in the pass, so the active count scales all G alike and drops out."""
+  acc = choice.prior_accepted + stats["accept_counts"]
+  reach = choice.prior_reached + stats["reach_counts"]
+  alpha_M = jnp.where(reach > 0, acc / jnp.maximum(reach, 1e-9), 0.0)
+  expected_M1 = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.cumprod(alpha_M))])
+  return jnp.argmax(expected_M1 / choice.round_seconds).astype(jnp.int32)
+
+
+def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
+  """The prefill: the loop's carry for a batch (one PRNG key per row, split from `key`)."""
+  models = _Models(params, dparams, spec.pcfg, spec.dcfg)
+  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
+  keys_B = jax.random.split(key, prompt_BS.shape[0])
+  if drafts.is_block(spec.dcfg):
+    if M > spec.dcfg.num_proposals:
       raise ValueError(
-        f"num_draft={G}: a {dcfg.kind} draft with block_size {dcfg.block_size} proposes at most "
-        f"{dcfg.num_proposals} tokens a round"
+        f"num_draft={M}: a {spec.dcfg.kind} draft with block_size {spec.dcfg.block_size} proposes "
+        f"at most {spec.dcfg.num_proposals} tokens a round"
       )
-    carry = _block_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
-    one_round = functools.partial(_block_round, models, N=N, G=G, sm=sm, sampler=sampler)
-  else:
-    carry = _prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
-    one_round = functools.partial(_round, models, N=N, G=G, sm=sm, sampler=sampler)
-  carry = jax.lax.while_loop(lambda c: ~jnp.all(c["done"]), one_round, carry)
+    return _block_prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
+  return _prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
+
+
+def num_active(carry):
+  return jnp.sum(~carry["done"]).astype(jnp.int32)
+
+
+def run(
+  params, dparams, carry, choice: Choice, stop_below, *, spec: Spec, sampler=rejection_sample
+):
+  """Rounds until every row is done or no more than `stop_below` rows still generate (the
+  engine then compacts them into a smaller batch)."""
+  models = _Models(params, dparams, spec.pcfg, spec.dcfg)
+  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
+  one = _block_round if drafts.is_block(spec.dcfg) else _round
+  branch = lambda G: functools.partial(one, models, N=N, G=G, M=M, sm=sm, sampler=sampler)
+
+  def body(c):
+    r, active = c["stats"]["rounds"], num_active(c)
+    if spec.adaptive:
+      G = choose_num_draft(c["stats"], choice)
+      c = jax.lax.switch(G, [branch(g) for g in range(M + 1)], c)
+    else:
+      G = jnp.int32(M)
+      c = branch(M)(c)
+    st = dict(c["stats"])
+    st["num_draft_trace"] = st["num_draft_trace"].at[r].set(G, mode="drop")
+    st["active_trace"] = st["active_trace"].at[r].set(active, mode="drop")
+    st["num_draft_counts"] = st["num_draft_counts"].at[G].add(1)
+    return {**c, "stats": st}
+
+  cond = lambda c: (num_active(c) > 0) & (num_active(c) > stop_below)
+  return jax.lax.while_loop(cond, body, carry)
+
+
+def finish(carry, spec: Spec) -> Generation:
+  """The batch's Generation from the loop's carry."""
+  N = spec.max_new_tokens
   lengths_B = carry["out_len"]
   valid_BN = jnp.arange(N)[None] < lengths_B[:, None]
   tokens_BN = jnp.where(valid_BN, carry["out"][:, :N], PAD)
   logprobs_BN = jnp.where(valid_BN, carry["out_lp"][:, :N], 0.0)
   return Generation(tokens_BN, logprobs_BN, lengths_B, carry["stats"])
+
+
+def draw_rows(keys_B, logp_BV, temperature: float):
+  """One token per row, each from its own key (`sampling.draw`)."""
+  return jax.vmap(lambda k, lp: draw(k, lp, temperature))(keys_B, logp_BV)
+
+
+def split_rows(keys_B, n: int):
+  """Each row's key split in n: a list of n [B] key arrays."""
+  ks_Bn = jax.vmap(lambda k: jax.random.split(k, n))(keys_B)
+  return [ks_Bn[:, i] for i in range(n)]
+
+
+def _sample_rows(sampler, keys_B, draft_BG, q_probs_BGV, p_probs_BG1V):
+  """The verification rule row by row, each row with its own key."""
+  if q_probs_BGV is None:
+    one = lambda k, d, p: sampler(k, d[None], None, p[None])
+    tokens, a = jax.vmap(one)(keys_B, draft_BG, p_probs_BG1V)
+  else:
+    one = lambda k, d, q, p: sampler(k, d[None], q[None], p[None])
+    tokens, a = jax.vmap(one)(keys_B, draft_BG, q_probs_BGV, p_probs_BG1V)
+  return tokens[:, 0], a[:, 0]
 
 
 class _Models:
@@ -114,35 +243,37 @@ class _Models:
     return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
 
 
-def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling):
+def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling):
   """The policy over the prompt and its first token c: (the prompt's taps, the cache capacity,
   the loop carry's policy-side entries). Both drafting paths start here."""
   B, S = prompt_BS.shape
-  capacity = S + N + G + 2
+  capacity = S + N + M + 2
   pcache = pol.init_cache(models.pcfg, B, capacity)
   logits_BSV, taps, pcache = pol.prefill(
     models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
   )
-  key, sub = jax.random.split(key)
+  keys_B, sub_B = split_rows(keys_B, 2)
   _, logp_BV = distribution(logits_BSV[jnp.arange(B), prompt_lengths_B - 1], *sm)
-  c_B = draw(sub, logp_BV, sm.temperature)
+  c_B = draw_rows(sub_B, logp_BV, sm.temperature)
   out_len_B = jnp.ones((B,), jnp.int32)
   carry = {
-    "key": key,
+    "key": keys_B,
     "pcache": pcache,
     "c": c_B,
-    "out": jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(c_B),
-    "out_lp": jnp.zeros((B, N + G + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
+    "out": jnp.full((B, N + M + 1), PAD, jnp.int32).at[:, 0].set(c_B),
+    "out_lp": jnp.zeros((B, N + M + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
     "out_len": out_len_B,
     "done": pol.is_stop(models.pcfg, c_B) | (out_len_B >= N),
   }
   return taps, capacity, carry
 
 
-def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling) -> dict:
+def _prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling) -> dict:
   """Policy over the prompt and its first token; the draft over the prompt, shifted by one
   (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
-  taps, capacity, carry = _policy_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+  taps, capacity, carry = _policy_prefill(
+    models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm
+  )
   B, S = prompt_BS.shape
   rows = jnp.arange(B)
   last = prompt_lengths_B - 1
@@ -157,31 +288,40 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sam
     "dcache": dcache,
     "q_logits": d_logits_BSV[rows, last],
     "h": d_hidden_BSE[rows, last],
-    "stats": _initial_stats(G, draft_passes=1),
+    "stats": initial_stats(B, M, N, draft_passes=1),
   }
 
 
-def _initial_stats(G: int, *, draft_passes: int) -> dict:
+def initial_stats(B: int, M: int, N: int, *, draft_passes: int) -> dict:
+  """The counters after the prefill (one policy pass over B rows)."""
   return {
     "policy_passes": jnp.int32(1),
+    "row_passes": jnp.int32(B),
     "draft_passes": jnp.int32(draft_passes),
     "rounds": jnp.int32(0),
     "tau_sum": jnp.int32(0),
     "row_rounds": jnp.int32(0),
-    "accept_counts": jnp.zeros((G,), jnp.int32),
-    "reach_counts": jnp.zeros((G,), jnp.int32),
+    "accept_counts": jnp.zeros((M,), jnp.int32),
+    "reach_counts": jnp.zeros((M,), jnp.int32),
+    "num_draft_counts": jnp.zeros((M + 1,), jnp.int32),
+    # a round emits >= 1 token on every row still generating, so there are < N rounds
+    "num_draft_trace": jnp.full((N,), -1, jnp.int32),
+    "active_trace": jnp.zeros((N,), jnp.int32),
   }
 
 
-def _draft_tokens(models: _Models, key, q_logits_BV, h_BE, dcache, *, G, sm: Sampling):
+def _draft_tokens(models: _Models, keys_B, q_logits_BV, h_BE, dcache, *, G, sm: Sampling):
   """G proposals: the first from the carried logits, then G-1 single-entry draft steps (the
   draft samples under the same processing as the target; any draft distribution is exact, a
   close one is accepted more often)."""
+  B, V = q_logits_BV.shape
+  if G == 0:
+    return jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, V), jnp.float32), dcache
   tokens, probs = [], []
-  keys = jax.random.split(key, G)
+  keys = split_rows(keys_B, G)
   for i in range(G):  # G is small and static; unrolled so the last step skips a draft pass
     q_BV, logq_BV = distribution(q_logits_BV, *sm)
-    token_B = draw(keys[i], logq_BV, sm.temperature)
+    token_B = draw_rows(keys[i], logq_BV, sm.temperature)
     tokens.append(token_B)
     probs.append(q_BV)
     if i < G - 1:
@@ -212,22 +352,24 @@ def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G, pcfg):
   return out, out_lp, out_len_B, done_B
 
 
-def _count(stats: dict, active_B, a_B, *, G, draft_passes: int) -> dict:
-  """Adds one round, which cost `draft_passes` draft passes (EAGLE-3: G; a block draft: 1), to
-  the decoding statistics (only rows still generating count)."""
+def _count(stats: dict, active_B, a_B, *, G, M, draft_passes: int) -> dict:
+  """Adds one round at G (of at most M), which cost `draft_passes` draft passes, to the decoding
+  statistics (only rows still generating count)."""
   st = dict(stats)
-  pos = jnp.arange(G)[None]
+  pos = jnp.arange(M)[None]
   st["policy_passes"] += 1
+  st["row_passes"] += active_B.shape[0]
   st["draft_passes"] += draft_passes
   st["rounds"] += 1
   st["tau_sum"] += jnp.sum(jnp.where(active_B, a_B + 1, 0))
   st["row_rounds"] += jnp.sum(active_B)
-  st["reach_counts"] += jnp.sum(active_B[:, None] & (a_B[:, None] >= pos), 0)
-  st["accept_counts"] += jnp.sum(active_B[:, None] & (a_B[:, None] > pos), 0)
+  drafted = active_B[:, None] & (pos < G)
+  st["reach_counts"] += jnp.sum(drafted & (a_B[:, None] >= pos), 0)
+  st["accept_counts"] += jnp.sum(drafted & (a_B[:, None] > pos), 0)
   return st
 
 
-def _verify(models: _Models, carry, key, draft_BG, q_probs_BGV, *, N, G, sm: Sampling, sampler):
+def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, N, G, sm: Sampling, sampler):
   """Verify [c, d_1..d_G] in one policy pass, rejection-sample against the probabilities the
   draft sampled from, emit. Returns (tokens_BG1, accepted a_B, the verification pass's taps, the
   policy cache (lengths not yet rolled back), (out, out_lp, out_len, done))."""
@@ -235,15 +377,16 @@ def _verify(models: _Models, carry, key, draft_BG, q_probs_BGV, *, N, G, sm: Sam
   logits_BG1V, vtaps, pcache = pol.decode(models.params, models.pcfg, carry["pcache"], verify_BG1)
   p_probs_BG1V, logp_BG1V = distribution(logits_BG1V, *sm)
   q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
-  tokens_BG1, a_B = sampler(key, draft_BG, q_probs_BGV, p_probs_BG1V)
+  tokens_BG1, a_B = _sample_rows(sampler, keys_B, draft_BG, q_probs_BGV, p_probs_BG1V)
   logprobs_BG1 = take(logp_BG1V, tokens_BG1)
   emitted = _emit(carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], N=N, G=G, pcfg=models.pcfg)
   return tokens_BG1, a_B, vtaps, pcache, emitted
 
 
-def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
-  """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up."""
-  key, k_draft, k_rej = jax.random.split(carry["key"], 3)
+def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
+  """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up
+  (G = 0: a plain policy step; the draft still takes in the emitted token)."""
+  keys_B, k_draft, k_rej = split_rows(carry["key"], 3)
   pcache, c_B = carry["pcache"], carry["c"]
   n_B = pcache.lengths
   active_B = ~carry["done"]
@@ -264,7 +407,7 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     dcache._replace(lengths=n_B), models.fuse(vtaps.layers), catch_up_BG1
   )
   return {
-    "key": key,
+    "key": keys_B,
     "pcache": pcache._replace(lengths=new_n_B),
     "dcache": dcache._replace(lengths=new_n_B),
     "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
@@ -274,26 +417,28 @@ def _round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     "out_lp": out_lp,
     "out_len": out_len_B,
     "done": done_B,
-    "stats": _count(carry["stats"], active_B, a_B, G=G, draft_passes=G),
+    "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=max(G, 1)),
   }
 
 
 # ----------------------------------------------------------------------------- block drafts
 
 
-def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, key, *, N, G, sm: Sampling):
+def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling):
   """Policy over the prompt and its first token c; the prompt's taps become the draft's context
   (positions 0 .. P-1, c's block anchored at P). The loop's initial carry."""
-  taps, capacity, carry = _policy_prefill(models, prompt_BS, prompt_lengths_B, key, N=N, G=G, sm=sm)
+  taps, capacity, carry = _policy_prefill(
+    models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm
+  )
   B = prompt_BS.shape[0]
   dcache = dflash.init_cache(models.dcfg, B, capacity)
   dcache = dflash.write_context(
     models.dparams, models.dcfg, dcache, taps.layers, jnp.zeros((B,), jnp.int32), prompt_lengths_B
   )
-  return {**carry, "dcache": dcache, "stats": _initial_stats(G, draft_passes=0)}
+  return {**carry, "dcache": dcache, "stats": initial_stats(B, M, N, draft_passes=0)}
 
 
-def _block_tokens(models: _Models, key, h_BWE, c_B, *, G, sm: Sampling):
+def _block_tokens(models: _Models, keys_B, h_BWE, c_B, *, G, sm: Sampling):
   """G proposals from one block pass: DFlash samples every slot from its own distribution
   (they do not depend on each other); DSpark walks the block left to right, each slot's logits
   shifted by the Markov term of the token sampled before it (c for the first). Returns the
@@ -302,33 +447,37 @@ def _block_tokens(models: _Models, key, h_BWE, c_B, *, G, sm: Sampling):
   dp, dcfg = models.dparams, models.dcfg
   w = models.head_weight()
   first = dcfg.first_slot
-  keys = jax.random.split(key, G)
+  keys = split_rows(keys_B, G)
   if not dcfg.has_markov:
     logits_BGV = dflash.slot_logits(dp, dcfg, w, h_BWE[:, first : first + G])
     q_BGV, logq_BGV = distribution(logits_BGV, *sm)
-    tokens = [draw(keys[g], logq_BGV[:, g], sm.temperature) for g in range(G)]
+    tokens = [draw_rows(keys[g], logq_BGV[:, g], sm.temperature) for g in range(G)]
     return jnp.stack(tokens, 1), q_BGV
   tokens, probs, prev = [], [], c_B
   for g in range(G):  # G is small and static
     q_BV, logq_BV = distribution(dflash.slot_logits(dp, dcfg, w, h_BWE[:, first + g], prev), *sm)
-    prev = draw(keys[g], logq_BV, sm.temperature)
+    prev = draw_rows(keys[g], logq_BV, sm.temperature)
     tokens.append(prev)
     probs.append(q_BV)
   return jnp.stack(tokens, 1), jnp.stack(probs, 1)
 
 
-def _block_round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
+def _block_round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
   """Propose a block, verify it in one policy pass, emit, roll back; the policy's taps at the
-  verified positions become the draft's context."""
-  key, k_draft, k_rej = jax.random.split(carry["key"], 3)
+  verified positions become the draft's context (G = 0: a plain policy step, no block pass)."""
+  keys_B, k_draft, k_rej = split_rows(carry["key"], 3)
   pcache, c_B = carry["pcache"], carry["c"]
   n_B = pcache.lengths
   active_B = ~carry["done"]
   rows = jnp.arange(c_B.shape[0])
-  h_BWE = dflash.propose_hidden(
-    models.dparams, models.dcfg, models.params["embed"], carry["dcache"], c_B
-  )
-  draft_BG, q_probs_BGV = _block_tokens(models, k_draft, h_BWE, c_B, G=G, sm=sm)
+  if G:
+    h_BWE = dflash.propose_hidden(
+      models.dparams, models.dcfg, models.params["embed"], carry["dcache"], c_B
+    )
+    draft_BG, q_probs_BGV = _block_tokens(models, k_draft, h_BWE, c_B, G=G, sm=sm)
+  else:
+    V = models.pcfg.vocab_size
+    draft_BG, q_probs_BGV = jnp.zeros((c_B.shape[0], 0), jnp.int32), jnp.zeros((c_B.shape[0], 0, V))
 
   tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
     models, carry, k_rej, draft_BG, q_probs_BGV, N=N, G=G, sm=sm, sampler=sampler
@@ -341,7 +490,7 @@ def _block_round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     models.dparams, models.dcfg, carry["dcache"], vtaps.layers, n_B, new_n_B
   )
   return {
-    "key": key,
+    "key": keys_B,
     "pcache": pcache._replace(lengths=new_n_B),
     "dcache": dcache,
     "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
@@ -349,5 +498,5 @@ def _block_round(models: _Models, carry, *, N, G, sm: Sampling, sampler):
     "out_lp": out_lp,
     "out_len": out_len_B,
     "done": done_B,
-    "stats": _count(carry["stats"], active_B, a_B, G=G, draft_passes=1),
+    "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=int(G > 0)),
   }

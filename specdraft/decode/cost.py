@@ -1,0 +1,363 @@
+"""A measured cost model of a decoding round, and the acceptance it is weighed against.
+
+Time of one pass (the policy's or the draft's) over `rows` rows of `tokens` new tokens each,
+attending over a cache of `capacity` entries, in a roofline form:
+
+    seconds = c_pass + c_layer * layers + max(flops / flop_rate, (weight_bytes + kv_bytes) / byte_rate)
+
+flops and bytes are counted from the model's config (`policy_work`, `draft_work`; a test checks
+them against the compiled program's own count); the four machine coefficients are fitted by
+`calibrate` from a few timed passes of both models on the machine at hand (seconds; cached per
+config, backend and JAX version). One set of coefficients serves the policy and the draft, so
+the model carries over to a policy size it was not fitted on.
+
+A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the draft's passes:
+EAGLE-3 G - 1 single-token steps and a (G + 1)-token catch-up (G = 0: one single-token catch-up);
+a block draft one block pass and the context write of the verified tokens (G = 0: the write only).
+An AR step is one policy pass over one token.
+
+Shape letters: M = G_max (the most a round drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specdraft.model import dflash, drafts, eagle3
+from specdraft.model import policy as pol
+
+COEFFICIENTS = ("pass_s", "layer_s", "flop_rate", "byte_rate")
+
+
+class Work(NamedTuple):
+  """What one pass does: floating-point operations, bytes of weights and of the KV cache read,
+  and the number of layers (each a fixed cost in kernel launches on any backend)."""
+
+  flops: float
+  weight_bytes: float
+  kv_bytes: float
+  layers: int
+
+
+def _layer_flops(E, H, K, D, F, tokens, capacity, in_width=None):
+  """One decoder layer per token: q/k/v and output projections, SwiGLU MLP, attention over the
+  cache (scores and values; the decode attends over every entry of the capacity, masked)."""
+  in_width = in_width or E
+  proj = 2 * in_width * (H + 2 * K) * D + 2 * H * D * E + 6 * E * F
+  return tokens * (proj + 4 * H * D * capacity)
+
+
+def _layer_params(E, H, K, D, F, in_width=None):
+  in_width = in_width or E
+  return in_width * (H + 2 * K) * D + H * D * E + 3 * E * F + 2 * E
+
+
+def policy_work(pcfg: pol.PolicyConfig, rows: int, tokens: int, capacity: int) -> Work:
+  """One policy pass (`policy.decode`)."""
+  E, L, H, K, D, F, V = (
+    pcfg.d_model,
+    pcfg.n_layers,
+    pcfg.n_heads,
+    pcfg.n_kv_heads,
+    pcfg.head_dim,
+    pcfg.d_ff,
+    pcfg.vocab_size,
+  )
+  itemsize = jnp.dtype(pcfg.dtype).itemsize
+  flops = rows * (L * _layer_flops(E, H, K, D, F, tokens, capacity) + tokens * 2 * E * V)
+  weights = (L * _layer_params(E, H, K, D, F) + V * E) * itemsize
+  kv = rows * capacity * L * 2 * K * D * itemsize
+  return Work(float(flops), float(weights), float(kv), L)
+
+
+def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
+  """One draft pass: EAGLE-3's step over `tokens` entries (with the fusion of the tapped layers
+  when it catches up, tokens > 1); a block draft's block pass plus the context write of `tokens`
+  verified positions (tokens = 0: the write of one position only, a G = 0 round)."""
+  itemsize = jnp.dtype(dcfg.dtype).itemsize
+  E, H, K, D, F = dcfg.d_model, dcfg.n_heads, dcfg.n_kv_heads, dcfg.head_dim, dcfg.d_ff
+  if not drafts.is_block(dcfg):
+    V = dcfg.draft_vocab
+    fuse = 2 * dcfg.n_taps * E * E * tokens if tokens > 1 else 0
+    flops = rows * (
+      _layer_flops(E, H, K, D, F, tokens, capacity, 2 * E) + fuse + tokens * 2 * E * V
+    )
+    weights = (_layer_params(E, H, K, D, F, 2 * E) + dcfg.n_taps * E * E + E * V) * itemsize
+    kv = rows * capacity * 2 * K * D * itemsize
+    return Work(float(flops), float(weights), float(kv), 1)
+  W, L, V = dcfg.block_size, dcfg.n_layers, dcfg.vocab_size
+  written = max(tokens, 1)
+  write = 2 * dcfg.n_taps * E * E * written + L * 2 * E * 2 * K * D * written
+  block = 0 if tokens == 0 else L * _layer_flops(E, H, K, D, F, W, capacity + W) + W * 2 * E * V
+  weights = L * _layer_params(E, H, K, D, F) + dcfg.n_taps * E * E + (E * V if tokens else 0)
+  kv = (rows * capacity * L * 2 * K * D if tokens else 0) * itemsize
+  return Work(float(rows * (write + block)), float(weights * itemsize), float(kv), L)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s."""
+
+  pass_s: float
+  layer_s: float
+  flop_rate: float
+  byte_rate: float
+
+  def seconds(self, w: Work) -> float:
+    roof = max(w.flops / self.flop_rate, (w.weight_bytes + w.kv_bytes) / self.byte_rate)
+    return self.pass_s + self.layer_s * w.layers + roof
+
+  @classmethod
+  def from_spec(cls, spec: dict) -> Machine:
+    """An accelerator's datasheet (`peak_flops`, `hbm_bytes_per_s`) with launch costs (`pass_s`,
+    `layer_s`), for projections (experiments/project_speedup.py)."""
+    return cls(spec["pass_s"], spec["layer_s"], spec["peak_flops"], spec["hbm_bytes_per_s"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Predicted seconds of passes, AR steps and SD rounds for one policy, draft and machine."""
+
+  machine: Machine
+  pcfg: pol.PolicyConfig
+  dcfg: object  # eagle3.DraftConfig | dflash.BlockDraftConfig | None (AR only)
+
+  def policy_seconds(self, rows: int, tokens: int, capacity: int) -> float:
+    return self.machine.seconds(policy_work(self.pcfg, rows, tokens, capacity))
+
+  def draft_seconds(self, rows: int, tokens: int, capacity: int) -> float:
+    return self.machine.seconds(draft_work(self.dcfg, rows, tokens, capacity))
+
+  def ar_step_seconds(self, rows: int, capacity: int) -> float:
+    return self.policy_seconds(rows, 1, capacity)
+
+  def round_seconds(self, rows: int, G: int, capacity: int) -> float:
+    t = self.policy_seconds(rows, G + 1, capacity)
+    if drafts.is_block(self.dcfg):
+      return t + self.draft_seconds(rows, G + 1 if G else 0, capacity)
+    steps = self.draft_seconds(rows, 1, capacity) * max(G - 1, 0)
+    return t + steps + self.draft_seconds(rows, G + 1, capacity)
+
+  def round_seconds_all(self, rows: int, num_draft_max: int, capacity: int) -> np.ndarray:
+    """[M + 1]: a round's predicted seconds at G = 0..M (what an adaptive round chooses from)."""
+    return np.asarray(
+      [self.round_seconds(rows, G, capacity) for G in range(num_draft_max + 1)], np.float32
+    )
+
+
+class Acceptance(NamedTuple):
+  """Pseudo counts (accepted, reached) [M] per drafted position: the prior an adaptive round
+  starts from. `updated` folds in a rollout's counts with geometric forgetting, so the estimate
+  follows a draft and policy that change during training."""
+
+  accepted: np.ndarray
+  reached: np.ndarray
+
+  @classmethod
+  def prior(cls, num_draft_max: int, rate: float = 0.6, weight: float = 4.0) -> Acceptance:
+    """`weight` pseudo rounds at conditional acceptance `rate` at every position: optimistic
+    enough that a fresh run drafts, weak enough that a few rounds overrule it."""
+    reached = np.full((num_draft_max,), weight, np.float64)
+    return cls(rate * reached, reached)
+
+  def updated(self, stats: dict, keep: float = 0.5) -> Acceptance:
+    acc = np.asarray(stats["accept_counts"], np.float64)
+    reach = np.asarray(stats["reach_counts"], np.float64)
+    return Acceptance(keep * self.accepted + acc, keep * self.reached + reach)
+
+  def rates(self) -> np.ndarray:
+    return np.where(self.reached > 0, self.accepted / np.maximum(self.reached, 1e-9), 0.0)
+
+
+def expected_tokens(rates_M, G: int) -> float:
+  """E[a + 1] of a round at G: 1 + sum_{i <= G} prod_{j <= i} alpha_j."""
+  return 1.0 + float(np.sum(np.cumprod(np.asarray(rates_M, np.float64)[:G])))
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def time_policy_pass(params, pcfg, rows: int, tokens: int, capacity: int, *, min_s=0.05):
+  """Seconds of one policy pass as it runs inside a decoding loop: a jitted loop of passes whose
+  cache is carried (updated in place), its tokens fed back from the logits so nothing is hoisted."""
+  cache = pol.init_cache(pcfg, rows, capacity)._replace(
+    lengths=jnp.full((rows,), capacity - tokens - 1, jnp.int32)
+  )
+
+  def one(carry):
+    cache, tok = carry
+    logits, _, c2 = pol.decode(params, pcfg, cache, tok)
+    nxt = jnp.argmax(logits, -1).astype(jnp.int32)
+    return c2._replace(lengths=cache.lengths), nxt
+
+  return _time_loop(one, (cache, jnp.zeros((rows, tokens), jnp.int32)), min_s)
+
+
+def time_draft_pass(
+  params, dparams, pcfg, dcfg, rows: int, tokens: int, capacity: int, *, min_s=0.05
+):
+  """Seconds of one draft pass (`draft_work`'s), timed like `time_policy_pass`."""
+  E, n = pcfg.d_model, len(pcfg.taps)
+  room = max(tokens, 1) + 1 + (dcfg.block_size if drafts.is_block(dcfg) else 0)
+  start = jnp.full((rows,), capacity - room, jnp.int32)
+  taps_NBTE = jnp.ones((n, rows, max(tokens, 1), E), jnp.float32) * 0.01
+  if drafts.is_block(dcfg):
+    cache = dflash.init_cache(dcfg, rows, capacity)._replace(lengths=start)
+
+    def one(carry):
+      cache, anchor = carry
+      c2 = dflash.write_context(dparams, dcfg, cache, taps_NBTE, start, start + max(tokens, 1))
+      if tokens:
+        h = dflash.propose_hidden(dparams, dcfg, params["embed"], c2, anchor)
+        anchor = jnp.argmax(h[:, 0], -1).astype(jnp.int32) % pcfg.vocab_size
+      return c2._replace(lengths=start), anchor
+
+    return _time_loop(one, (cache, jnp.zeros((rows,), jnp.int32)), min_s)
+  cache = eagle3.init_cache(dcfg, rows, capacity)._replace(lengths=start)
+
+  def one(carry):
+    cache, tok = carry
+    feats = eagle3.fuse(dparams, taps_NBTE, dcfg) if tokens > 1 else taps_NBTE[0]
+    logits, _, c2 = eagle3.step(dparams, dcfg, params["embed"], cache, feats, tok)
+    return c2._replace(lengths=start), jnp.argmax(logits, -1).astype(jnp.int32)
+
+  return _time_loop(one, (cache, jnp.zeros((rows, tokens), jnp.int32)), min_s)
+
+
+def _time_loop(one, carry, min_s: float) -> float:
+  """Median seconds per iteration of `one` in a jitted fori_loop (compiled once, then timed with
+  enough iterations to last `min_s`, three times)."""
+  loop = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: one(c), c))
+  jax.block_until_ready(loop(carry, 1))
+  n, t = 1, 0.0
+  while True:
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(carry, n))
+    t = time.perf_counter() - t0
+    if t >= min_s or n >= 4096:
+      break
+    n *= max(2, int(min_s / max(t, 1e-6)))
+  ts = [t / n]
+  for _ in range(2):
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(carry, n))
+    ts.append((time.perf_counter() - t0) / n)
+  return float(np.median(ts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """The calibration points: every (rows, tokens) pair for the policy and the draft."""
+
+  rows: tuple[int, ...] = (1, 4, 16, 64, 128)
+  tokens: tuple[int, ...] = (1, 3, 6)
+  capacity: int = 128
+
+
+def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> list[dict]:
+  """Timed passes of both models at every grid point: [{model, rows, tokens, capacity, seconds}]."""
+  out = []
+  for rows in grid.rows:
+    for tokens in grid.tokens:
+      for model in ("policy", "draft"):
+        if model == "policy":
+          s = time_policy_pass(params, pcfg, rows, tokens, grid.capacity, min_s=min_s)
+        else:
+          s = time_draft_pass(params, dparams, pcfg, dcfg, rows, tokens, grid.capacity, min_s=min_s)
+        out.append(dict(model=model, rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
+  return out
+
+
+def work_of(point: dict, pcfg, dcfg) -> Work:
+  fn = policy_work if point["model"] == "policy" else draft_work
+  return fn(
+    pcfg if point["model"] == "policy" else dcfg, point["rows"], point["tokens"], point["capacity"]
+  )
+
+
+def fit(points: list[dict], pcfg, dcfg) -> Machine:
+  """The machine coefficients minimising the squared log error over the timed passes (relative
+  error counts alike at 1 and at 128 rows); several starts, the best kept."""
+  from scipy.optimize import least_squares
+
+  works = [work_of(p, pcfg, dcfg) for p in points]
+  t = np.asarray([p["seconds"] for p in points])
+  F = np.asarray([w.flops for w in works])
+  Bt = np.asarray([w.weight_bytes + w.kv_bytes for w in works])
+  Lr = np.asarray([w.layers for w in works], np.float64)
+
+  def predict(x):
+    c0, cl, rf, rb = np.exp(x)
+    return c0 + cl * Lr + np.maximum(F / rf, Bt / rb)
+
+  resid = lambda x: np.log(predict(x)) - np.log(t)
+  best = None
+  t_min = float(t.min())
+  for rate in (1e9, 1e10, 1e11, 1e12):
+    for share in (0.1, 0.5):
+      x0 = np.log([t_min * share, t_min * share / 10, rate, rate])
+      r = least_squares(resid, x0, method="trf")
+      if best is None or r.cost < best.cost:
+        best = r
+  return Machine(*(float(v) for v in np.exp(best.x)))
+
+
+def cache_key(pcfg, dcfg, grid: Grid) -> str:
+  """What a calibration depends on: both configs, the grid, the backend and device kind, JAX."""
+  d = jax.devices()[0]
+  desc = json.dumps(
+    [repr(pcfg), repr(dcfg), repr(grid), d.platform, d.device_kind, jax.__version__, os.cpu_count()]
+  )
+  return hashlib.sha1(desc.encode()).hexdigest()[:16]
+
+
+def calibrate(
+  params,
+  dparams,
+  pcfg,
+  dcfg,
+  *,
+  grid: Grid = Grid(),
+  cache_dir: str | None = None,
+  min_s: float = 0.05,
+) -> tuple[CostModel, dict]:
+  """(CostModel, record): the coefficients fitted from timed passes at `grid`, read from
+  `cache_dir/<key>.json` when an earlier calibration of the same configs on the same backend
+  wrote it. The record holds the points, the coefficients and each point's relative error."""
+  path = None
+  if cache_dir:
+    path = os.path.join(cache_dir, f"cost_{cache_key(pcfg, dcfg, grid)}.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        record = json.load(f)
+      return CostModel(Machine(**record["machine"]), pcfg, dcfg), record
+  t0 = time.perf_counter()
+  points = measure(params, dparams, pcfg, dcfg, grid, min_s=min_s)
+  machine = fit(points, pcfg, dcfg)
+  for p in points:
+    p["predicted"] = machine.seconds(work_of(p, pcfg, dcfg))
+    p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
+  record = {
+    "machine": dataclasses.asdict(machine),
+    "grid": dataclasses.asdict(grid),
+    "points": points,
+    "calibration_s": time.perf_counter() - t0,
+    "backend": jax.devices()[0].platform,
+    "device_kind": jax.devices()[0].device_kind,
+  }
+  if path:
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+  return CostModel(machine, pcfg, dcfg), record
