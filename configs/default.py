@@ -12,6 +12,12 @@ task gives the RL phase something to learn and the sampled policy real entropy: 
 95% of the answers in one format and 5% in another ("semicolon"), the reward pays only for the rare
 one, and the scratchpad varies freely (a space may stand around every '+' and '=': about 0.35 nats
 per answer token in the data).
+
+Long-tailed task (the same as `task=longtail`):
+      python experiments/train.py --config=configs/default.py:longtail --workdir=runs/longtail
+tasks/longtail.py: sums of a heavy-tailed number of terms worked as a running sum, with the
+arithmetic run's two formats, rewarded format and spaces; the reference completions' p90 is over
+3x their median, and rows and generation lengths hold the longest one.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import ml_collections
 
 from specdraft.config import layout_config, parse_arg
+from specdraft.tasks.longtail import Longtail
 
 SIZES = {
   # name: (d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff)
@@ -31,9 +38,15 @@ SIZES = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, size="bench", task="arithmetic", layout="single", smoke=False, seed=0)
+  arg = parse_arg(
+    arg, size="bench", task="arithmetic", layout="single", smoke=False, seed=0, longtail=False
+  )
   if arg.size not in SIZES:
     raise ValueError(f"config arg size={arg.size!r} is unknown; expected one of {sorted(SIZES)}")
+  if arg.longtail:
+    if arg.task not in ("arithmetic", "longtail"):  # arithmetic: the default, not a choice
+      raise ValueError(f"config arg longtail sets task=longtail; it cannot run task={arg.task!r}")
+    arg.task = "longtail"
   c = ml_collections.ConfigDict()
   c.seed = arg.seed
 
@@ -84,10 +97,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         length=512,
         num_symbols=16,
         top_k=5,
-        alpha=0.5,
+        alpha=1.75,
         min_length=0,
         label_noise=0.0,
         semicolon_share=0.0,
+      ),
+      # a heavy-tailed number of terms (Zipf exponent alpha), worked as a running sum; formats,
+      # reward_format, free_order and space_prob as arithmetic's (tasks/longtail.py)
+      longtail=dict(
+        min_terms=2,
+        max_terms=8,
+        alpha=1.75,
+        min_digits=1,
+        max_digits=1,
+        first_digits=2,
+        formats="columns",
+        reward_format="",
+        free_order=False,
+        space_prob=0.0,
       ),
       jsonl=dict(path=""),
     )
@@ -200,7 +227,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # round. Sampling temperatures live with their use: rl.temperature (rollouts),
   # draft.rollout_temperature (distillation data), eval.sd_temperature (the SD-vs-AR report);
   # held-out accuracy is always greedy.
-  c.decode = ml_collections.ConfigDict(dict(max_new_tokens=40, num_draft=5))
+  #
+  # speculation: "fixed" drafts num_draft tokens every round; "auto" chooses G in 0..num_draft
+  # before every round from a cost model of a round calibrated on this machine (decode/cost.py,
+  # cached under the workdir) and the running per-position acceptance, which starts from
+  # prior_rate at prior_weight pseudo rounds and carries from rollout to rollout with weight
+  # prior_keep. compact: rollouts gather their unfinished rows into the next power-of-two batch
+  # once no more than that many still generate, down to min_rows (decode/engine.py; AR rollouts
+  # too; each bucket is a compile: 8 s for a fixed G and 26 s for auto's 6 rounds at 64 rows here).
+  c.decode = ml_collections.ConfigDict(
+    dict(
+      max_new_tokens=40,
+      num_draft=5,
+      speculation="fixed",
+      compact=True,
+      min_rows=4,
+      prior_rate=0.6,
+      prior_weight=4.0,
+      prior_keep=0.5,
+    )
+  )
   c.eval = ml_collections.ConfigDict(
     dict(every=400, num_examples=256, batch_size=64, sd_temperature=1.0, report_repeats=3)
   )  # report_repeats: timed repeats of the final SD-vs-AR report (0: no report)
@@ -255,4 +301,25 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.draft.pretrain_steps, c.draft.batch_size, c.draft.log_every = 6, 8, 3
     c.draft.ttt_steps = 3
     c.rl.steps, c.rl.prompts_per_step, c.rl.group_size, c.rl.eval_every = 6, 2, 4, 3
+  if arg.task == "longtail":
+    _longtail(c, arg.smoke)
   return c
+
+
+def _longtail(c: ml_collections.ConfigDict, smoke: bool) -> None:
+  """The long-tailed task's settings: the format mixture, rewarded format and spaces of the
+  arithmetic run (a shorter tail for smoke), and rows and generation lengths that hold its
+  longest example, so no completion of the tail is cut short."""
+  if smoke:
+    c.task.longtail.update(max_terms=4, max_digits=1)
+  else:
+    c.task.longtail.update(
+      formats="columns:0.95,semicolon:0.05", reward_format="semicolon", space_prob=0.5
+    )
+    # rows of 128 tokens hold the longest example; at 30 tokens an example (arithmetic's: 40),
+    # 16 of them take about as many examples a step as the arithmetic run's 32 rows of 72
+    c.data.batch_size = 16
+  task = Longtail(**c.task.longtail)
+  answer = task.max_length() - task.max_prompt_length() + 1  # the longest completion, EOS included
+  c.decode.max_new_tokens = max(c.decode.max_new_tokens, answer)
+  c.data.seq_len = max(c.data.seq_len, -(-(task.max_length() + 2) // 8) * 8)  # BOS, EOS

@@ -150,9 +150,21 @@ def _validate_task_and_data(config, tok) -> None:
   need = tok.max_prompt_tokens(task.max_length()) + tok.max_answer_tokens(0)
   if isinstance(tok, tok_lib.CharTokenizer) and d.seq_len < need:
     _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
+  if t.name == "longtail" and isinstance(tok, tok_lib.CharTokenizer):
+    # the task is its tail: a completion cut short of its end earns nothing
+    most = tok.max_answer_tokens(task.max_length() - task.max_prompt_length())
+    for field, value in (
+      ("decode.max_new_tokens", config.decode.max_new_tokens),
+      ("rl.max_new_tokens", config.rl.max_new_tokens),  # 0: decode's
+    ):
+      if 0 < value < most:
+        _fail(field, value, f"task.longtail's completions run to {most} tokens (EOS included)")
   s = config.sft
   if s.steps < 0 or s.lr <= 0:
     _fail("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
+
+
+SPECULATION = ("fixed", "auto")
 
 
 def _validate_decoding(config) -> None:
@@ -161,6 +173,18 @@ def _validate_decoding(config) -> None:
     _fail("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
   if dec.num_draft < 1:
     _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
+  if dec.get("speculation", "fixed") not in SPECULATION:
+    _fail("decode.speculation", dec.speculation, f"expected one of {SPECULATION}")
+  if dec.get("min_rows", 1) < 1:
+    _fail("decode.min_rows", dec.min_rows, "must be >= 1 (rows of the smallest compacted batch)")
+  if not 0.0 <= dec.get("prior_rate", 0.6) <= 1.0:
+    _fail("decode.prior_rate", dec.prior_rate, "must be an acceptance rate in [0, 1]")
+  if dec.get("prior_weight", 4.0) < 0 or not 0.0 <= dec.get("prior_keep", 0.5) <= 1.0:
+    _fail(
+      "decode.prior_weight/prior_keep",
+      (dec.prior_weight, dec.prior_keep),
+      "need prior_weight >= 0 (pseudo rounds) and prior_keep in [0, 1]",
+    )
   # Sampling temperatures: RL rollouts, draft distillation and the SD-vs-AR report.
   for field, value in (
     ("rl.temperature", config.rl.temperature),

@@ -234,7 +234,7 @@ def decoding_figures(gen) -> dict:
   tokens = int(np.sum(multihost.to_host(gen.lengths)))
   out = {
     "tokens": tokens,
-    "policy_passes_per_token": int(stats["policy_passes"]) * batch / max(tokens, 1),
+    "policy_passes_per_token": _row_passes(stats, batch) / max(tokens, 1),
   }
   if "tau_sum" in stats:
     out["tau"] = float(stats["tau_sum"] / max(int(stats["row_rounds"]), 1))
@@ -262,3 +262,9 @@ def _summarise(samples: dict, *, batch: int) -> dict:
     s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(samples["ar"], samples["sd"])
   ]
   return out
+
+
+def _row_passes(stats: dict, batch: int) -> int:
+  """Rows of every policy pass, summed: passes x batch, or less where finished rows were
+  compacted away (`decode.engine`)."""
+  return int(stats.get("row_passes", int(stats["policy_passes"]) * batch))

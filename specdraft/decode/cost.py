@@ -3,18 +3,22 @@
 Time of one pass (the policy's or the draft's) over `rows` rows of `tokens` new tokens each,
 attending over a cache of `capacity` entries, in a roofline form:
 
-    seconds = c_pass + c_layer * layers + max(flops / flop_rate, (weight_bytes + kv_bytes) / byte_rate)
+    seconds = pass_s + layer_s * layers + max(flops / flop_rate, (weight_bytes + kv_bytes) / byte_rate)
 
-flops and bytes are counted from the model's config (`policy_work`, `draft_work`; a test checks
-them against the compiled program's own count); the four machine coefficients are fitted by
-`calibrate` from a few timed passes of both models on the machine at hand (seconds; cached per
-config, backend and JAX version). One set of coefficients serves the policy and the draft, so
-the model carries over to a policy size it was not fitted on.
+flops and bytes are counted from the model's config (`policy_work`, `draft_work`); the layers
+term is what a pass costs whatever its size (kernel launches, loop and scheduling overhead).
 
-A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the draft's passes:
-EAGLE-3 G - 1 single-token steps and a (G + 1)-token catch-up (G = 0: one single-token catch-up);
-a block draft one block pass and the context write of the verified tokens (G = 0: the write only).
-An AR step is one policy pass over one token.
+A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the draft's passes
+(EAGLE-3: G - 1 single-token steps and a (G + 1)-token catch-up, G = 0: one single-token
+catch-up; a block draft: one block pass and the context write of the verified tokens, G = 0: the
+write only) plus the round's own work, round_s + rows * (G + 1) * V / sample_rate (the
+distributions over the vocabulary, sampling, verification, writing out). An AR step is one policy
+pass over one token plus the same own work at G = 0.
+
+The six machine coefficients are fitted by `calibrate` from timed passes of both models and timed
+AR steps and SD rounds at a few (rows, G) on the machine at hand (tens of seconds; cached per
+config, backend and JAX version). One set of coefficients serves the policy and the draft, so the
+model carries over to a policy size it was not fitted on.
 
 Shape letters: M = G_max (the most a round drafts).
 """
@@ -34,8 +38,6 @@ import numpy as np
 
 from specdraft.model import dflash, drafts, eagle3
 from specdraft.model import policy as pol
-
-COEFFICIENTS = ("pass_s", "layer_s", "flop_rate", "byte_rate")
 
 
 class Work(NamedTuple):
@@ -105,22 +107,36 @@ def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s."""
+  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s of a
+  pass; fixed seconds per round and vocabulary entries per second of a round's own work."""
 
   pass_s: float
   layer_s: float
   flop_rate: float
   byte_rate: float
+  round_s: float
+  sample_rate: float
 
   def seconds(self, w: Work) -> float:
     roof = max(w.flops / self.flop_rate, (w.weight_bytes + w.kv_bytes) / self.byte_rate)
     return self.pass_s + self.layer_s * w.layers + roof
 
+  def round_overhead(self, rows: int, tokens: int, vocab: int) -> float:
+    return self.round_s + rows * tokens * vocab / self.sample_rate
+
   @classmethod
   def from_spec(cls, spec: dict) -> Machine:
-    """An accelerator's datasheet (`peak_flops`, `hbm_bytes_per_s`) with launch costs (`pass_s`,
-    `layer_s`), for projections (experiments/project_speedup.py)."""
-    return cls(spec["pass_s"], spec["layer_s"], spec["peak_flops"], spec["hbm_bytes_per_s"])
+    """An accelerator's datasheet (`peak_flops`, `hbm_bytes_per_s`) with its fixed costs
+    (`pass_s`, `layer_s`, `round_s`) and `sample_rate`, for projections
+    (experiments/project_speedup.py)."""
+    return cls(
+      spec["pass_s"],
+      spec["layer_s"],
+      spec["peak_flops"],
+      spec["hbm_bytes_per_s"],
+      spec["round_s"],
+      spec["sample_rate"],
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +154,12 @@ class CostModel:
     return self.machine.seconds(draft_work(self.dcfg, rows, tokens, capacity))
 
   def ar_step_seconds(self, rows: int, capacity: int) -> float:
-    return self.policy_seconds(rows, 1, capacity)
+    own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size)
+    return self.policy_seconds(rows, 1, capacity) + own
 
   def round_seconds(self, rows: int, G: int, capacity: int) -> float:
     t = self.policy_seconds(rows, G + 1, capacity)
+    t += self.machine.round_overhead(rows, G + 1, self.pcfg.vocab_size)
     if drafts.is_block(self.dcfg):
       return t + self.draft_seconds(rows, G + 1 if G else 0, capacity)
     steps = self.draft_seconds(rows, 1, capacity) * max(G - 1, 0)
@@ -256,55 +274,122 @@ def _time_loop(one, carry, min_s: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-  """The calibration points: every (rows, tokens) pair for the policy and the draft."""
+  """The calibration points: both models' passes at every (rows, tokens), whole AR steps and SD
+  rounds at every (round_rows, round_G); `capacity` is the cache's, `new_tokens` a timed
+  generation's length."""
 
   rows: tuple[int, ...] = (1, 4, 16, 64, 128)
   tokens: tuple[int, ...] = (1, 3, 6)
+  round_rows: tuple[int, ...] = (1, 16, 128)
+  round_G: tuple[int, ...] = (5,)
   capacity: int = 128
+  prompt_len: int = 9
 
 
 def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> list[dict]:
-  """Timed passes of both models at every grid point: [{model, rows, tokens, capacity, seconds}]."""
+  """Timed passes and rounds at every grid point: [{model, rows, tokens, capacity, seconds}]
+  (model: policy | draft | ar | sd; for ar and sd, tokens is G)."""
   out = []
   for rows in grid.rows:
     for tokens in grid.tokens:
-      for model in ("policy", "draft"):
-        if model == "policy":
-          s = time_policy_pass(params, pcfg, rows, tokens, grid.capacity, min_s=min_s)
-        else:
-          s = time_draft_pass(params, dparams, pcfg, dcfg, rows, tokens, grid.capacity, min_s=min_s)
-        out.append(dict(model=model, rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
+      s = time_policy_pass(params, pcfg, rows, tokens, grid.capacity, min_s=min_s)
+      out.append(dict(model="policy", rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
+      s = time_draft_pass(params, dparams, pcfg, dcfg, rows, tokens, grid.capacity, min_s=min_s)
+      out.append(dict(model="draft", rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
+  new_tokens = grid.capacity - grid.prompt_len - max(grid.round_G, default=0) - 2
+  out += time_rounds(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    rows=grid.round_rows,
+    num_drafts=grid.round_G,
+    prompt_len=grid.prompt_len,
+    new_tokens=new_tokens,
+    repeats=3,
+  )
   return out
 
 
-def work_of(point: dict, pcfg, dcfg) -> Work:
-  fn = policy_work if point["model"] == "policy" else draft_work
-  return fn(
-    pcfg if point["model"] == "policy" else dcfg, point["rows"], point["tokens"], point["capacity"]
-  )
+def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, new_tokens, repeats):
+  """Seconds of an AR step and of an SD round at each G in `num_drafts`, at each row count, as the
+  decoding loop runs them: a stage's seconds over its rounds (the stop token disabled, so every
+  row rides in every pass to the end). [{model: ar | sd, rows, tokens: G, capacity, seconds}]"""
+  from specdraft.decode import autoregressive, engine, speculative
+  from specdraft.decode.sampling import Sampling
+
+  pcfg = dataclasses.replace(pcfg, eos_id=-1, stop_ids=())
+  sm = Sampling(1.0, 0, 1.0)
+  out = []
+  for b in rows:
+    rng = np.random.default_rng(b)
+    prompts = rng.integers(3, pcfg.vocab_size, (b, prompt_len)).astype(np.int32)
+    prompts[:, 0] = 1
+    prompts, lengths = jnp.asarray(prompts), jnp.full((b,), prompt_len, jnp.int32)
+    key = jax.random.key(b)
+    spec = autoregressive.Spec(pcfg, new_tokens, sm)
+    s = _time_stage(
+      lambda: engine._ar_init(params, prompts, lengths, key, spec=spec),
+      lambda c: engine._ar_stage(params, c, jnp.int32(0), spec=spec),
+      repeats,
+    )
+    out.append(dict(model="ar", rows=b, tokens=0, capacity=prompt_len + new_tokens, seconds=s))
+    for G in num_drafts:
+      spec = speculative.Spec(pcfg, dcfg, new_tokens, G, False, sm)
+      choice = speculative.Choice.of(spec, None, None)
+      s = _time_stage(
+        lambda: engine._sd_init(params, dparams, prompts, lengths, key, spec=spec),
+        lambda c: engine._sd_stage(params, dparams, c, choice, jnp.int32(0), spec=spec),
+        repeats,
+      )
+      cap = prompt_len + new_tokens + G + 2
+      out.append(dict(model="sd", rows=b, tokens=G, capacity=cap, seconds=s))
+  return out
+
+
+def _time_stage(init, stage, repeats: int) -> float:
+  """Median seconds per round of `stage` run from `init`'s carry (compiled and warmed first)."""
+  carry = jax.block_until_ready(init())
+  jax.block_until_ready(stage(carry))
+  ts = []
+  for _ in range(repeats):
+    carry = jax.block_until_ready(init())
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(stage(carry))
+    st = out["stats"]
+    rounds = int(st["rounds"]) if "rounds" in st else int(st["policy_passes"]) - 1
+    ts.append((time.perf_counter() - t0) / max(rounds, 1))
+  return float(np.median(ts))
+
+
+def predict(model: CostModel, point: dict) -> float:
+  """The model's seconds for a measured point of `measure` / `time_rounds`."""
+  m, b, t, cap = point["model"], point["rows"], point["tokens"], point["capacity"]
+  if m == "policy":
+    return model.policy_seconds(b, t, cap)
+  if m == "draft":
+    return model.draft_seconds(b, t, cap)
+  if m == "ar":
+    return model.ar_step_seconds(b, cap)
+  return model.round_seconds(b, t, cap)
 
 
 def fit(points: list[dict], pcfg, dcfg) -> Machine:
-  """The machine coefficients minimising the squared log error over the timed passes (relative
+  """The machine coefficients minimising the squared log error over the timed points (relative
   error counts alike at 1 and at 128 rows); several starts, the best kept."""
   from scipy.optimize import least_squares
 
-  works = [work_of(p, pcfg, dcfg) for p in points]
-  t = np.asarray([p["seconds"] for p in points])
-  F = np.asarray([w.flops for w in works])
-  Bt = np.asarray([w.weight_bytes + w.kv_bytes for w in works])
-  Lr = np.asarray([w.layers for w in works], np.float64)
+  t = np.log(np.asarray([p["seconds"] for p in points]))
 
-  def predict(x):
-    c0, cl, rf, rb = np.exp(x)
-    return c0 + cl * Lr + np.maximum(F / rf, Bt / rb)
+  def resid(x):
+    model = CostModel(Machine(*np.exp(x)), pcfg, dcfg)
+    return np.log([predict(model, p) for p in points]) - t
 
-  resid = lambda x: np.log(predict(x)) - np.log(t)
   best = None
-  t_min = float(t.min())
-  for rate in (1e9, 1e10, 1e11, 1e12):
+  t_min = float(np.exp(t.min()))
+  for rate in (1e9, 1e10, 1e11):
     for share in (0.1, 0.5):
-      x0 = np.log([t_min * share, t_min * share / 10, rate, rate])
+      x0 = np.log([t_min * share, t_min * share / 10, rate, rate, t_min * share, rate / 10])
       r = least_squares(resid, x0, method="trf")
       if best is None or r.cost < best.cost:
         best = r
@@ -343,8 +428,9 @@ def calibrate(
   t0 = time.perf_counter()
   points = measure(params, dparams, pcfg, dcfg, grid, min_s=min_s)
   machine = fit(points, pcfg, dcfg)
+  model = CostModel(machine, pcfg, dcfg)
   for p in points:
-    p["predicted"] = machine.seconds(work_of(p, pcfg, dcfg))
+    p["predicted"] = predict(model, p)
     p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
   record = {
     "machine": dataclasses.asdict(machine),
@@ -360,4 +446,4 @@ def calibrate(
     with open(tmp, "w") as f:
       json.dump(record, f, indent=1)
     os.replace(tmp, path)
-  return CostModel(machine, pcfg, dcfg), record
+  return model, record

@@ -72,12 +72,14 @@ def generate(
   cost: CostModel | None = None,
   prior: Acceptance | None = None,
   compact: bool = True,
+  min_rows: int = 1,
   rows: Rows | None = None,
   sampler=rejection_sample,
 ) -> Generation:
   """SD (`num_draft` >= 1: G, or G_max when `adaptive`) or AR (`num_draft` = 0) generation of the
   same output as `speculative.generate` / `autoregressive.generate`, with finished rows compacted
-  away (`compact`). Runs on the host: one compiled stage per bucket, each a device loop."""
+  away (`compact`; the smallest bucket holds `min_rows` rows, or one per shard of `rows`). Runs on
+  the host: one compiled stage per bucket, each a device loop."""
   B = int(prompt_BS.shape[0])
   sm = Sampling(temperature, top_k, top_p)
   N = max_new_tokens
@@ -100,7 +102,7 @@ def generate(
 
     carry = _sd_init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
     finish = functools.partial(_sd_finish, spec=spec)
-  sizes = buckets(B, rows.min_rows if rows else 1) if compact else [B]
+  sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
   slots = np.arange(B)
   out = None
   for i, b in enumerate(sizes):

@@ -7,10 +7,11 @@ from specdraft.tasks.base import Example, Task
 from specdraft.tasks.countdown import Countdown
 from specdraft.tasks.frequency import Frequency
 from specdraft.tasks.jsonl import JsonlTask, load_jsonl
+from specdraft.tasks.longtail import Longtail
 from specdraft.tasks.retrieval import Retrieval
 from specdraft.tasks.tokenizer import CharTokenizer
 
-TASKS = ("arithmetic", "countdown", "retrieval", "frequency", "jsonl")
+TASKS = ("arithmetic", "countdown", "retrieval", "frequency", "longtail", "jsonl")
 
 
 def make_task(task_cfg) -> Task:
@@ -24,6 +25,8 @@ def make_task(task_cfg) -> Task:
     return Retrieval(**dict(task_cfg.retrieval))
   if name == "frequency":
     return Frequency(**dict(task_cfg.frequency))
+  if name == "longtail":
+    return Longtail(**dict(task_cfg.longtail))
   if name == "jsonl":
     if not task_cfg.jsonl.path:
       raise ValueError("task.jsonl.path must name a JSONL file when task.name='jsonl'")
@@ -39,6 +42,7 @@ __all__ = [
   "Example",
   "Frequency",
   "JsonlTask",
+  "Longtail",
   "Retrieval",
   "Task",
   "load_jsonl",

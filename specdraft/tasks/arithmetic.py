@@ -19,6 +19,11 @@ Free variation (many valid outputs, so a policy sampled at temperature 1 keeps r
     space stands with this probability, each independently: `"7 +8+ 0= 15, 5+6 + 1=12"`.
 The answer after '|' never varies and is all the reward reads (with the format). `entropy_per_token`
 gives the entropy the SFT data itself has per answer token (the level a policy fit to it reaches).
+
+`WorkedSum` holds what does not depend on how the sum is worked (the format mixture, the answer's
+text and its free variation, the reward, the length bound, the entropy): a task gives its knobs and
+`steps`, the worked answer as steps "terms = sum". The long-tailed running-sum task
+(tasks/longtail.py) is the other one.
 """
 
 from __future__ import annotations
@@ -31,73 +36,70 @@ import numpy as np
 
 from specdraft.tasks.base import Example, final_answer
 
+FORMATS = ("columns", "semicolon", "symbols", "sums", "direct")
+# the worked formats' symbols: (between a step's terms, between its terms and its sum, between
+# steps)
+SYMBOLS = {"columns": ("+", "=", ","), "semicolon": ("+", "=", ";"), "symbols": ("&", ":", "/")}
 
-@dataclasses.dataclass(frozen=True)
-class Arithmetic:
-  min_digits: int = 1
-  max_digits: int = 3
-  num_operands: int = 2
-  formats: str = "columns"
-  reward_format: str = ""
-  free_order: bool = False
-  space_prob: float = 0.0
-  name: str = "arithmetic"
+
+class WorkedSum:
+  """A sum of the prompt's numbers ("a+b+...="), answered as worked steps in one of FORMATS.
+
+  A task dataclass subclasses it with the knobs min_digits, max_digits, formats, reward_format,
+  free_order, space_prob and name, and gives `steps(nums)`: the worked answer's steps, each its
+  terms and their sum. A step of one term is written "s=s" and never reordered."""
+
+  def steps(self, nums: list[int]) -> list[tuple[list[int], int]]:
+    raise NotImplementedError
 
   @property
   def mixture(self) -> list[tuple[str, float]]:
+    """`formats` ("columns:0.95,semicolon:0.05") as (format, weight) pairs (weight 1 if none)."""
     out = []
     for part in self.formats.split(","):
       name, _, w = part.partition(":")
       out.append((name.strip(), float(w) if w else 1.0))
     return out
 
-  def __post_init__(self):
+  def check_knobs(self) -> None:
+    """The shared knobs' checks; errors name `task.<name>.<knob>`, its value and what is valid."""
+    field = f"task.{self.name}"
     for name, w in self.mixture:
       if name not in FORMATS or w < 0:
         raise ValueError(
-          f"task.arithmetic.formats={self.formats!r}: each entry is "
+          f"{field}.formats={self.formats!r}: each entry is "
           f"'<format>[:weight]' with a format in {FORMATS} and weight >= 0"
         )
     if self.reward_format and self.reward_format not in FORMATS:
       raise ValueError(
-        f"task.arithmetic.reward_format={self.reward_format!r} must be '' or one of {FORMATS}"
+        f"{field}.reward_format={self.reward_format!r} must be '' or one of {FORMATS}"
       )
     if not 1 <= self.min_digits <= self.max_digits:
       raise ValueError(
-        f"task.arithmetic: need 1 <= min_digits <= max_digits, got "
-        f"{self.min_digits}, {self.max_digits}"
+        f"{field}: need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}"
       )
-    if self.num_operands < 2:
-      raise ValueError(f"task.arithmetic.num_operands must be >= 2, got {self.num_operands}")
     if not 0.0 <= self.space_prob < 1.0:
-      raise ValueError(f"task.arithmetic.space_prob must be in [0, 1), got {self.space_prob}")
+      raise ValueError(f"{field}.space_prob must be in [0, 1), got {self.space_prob}")
 
-  def sample(self, rng: np.random.Generator) -> Example:
+  @staticmethod
+  def draw_numbers(rng: np.random.Generator, count: int, min_digits: int, max_digits: int):
+    """`count` numbers, each of a uniform number of digits in [min_digits, max_digits], then
+    uniform among the numbers of that many digits (0 counts as one digit)."""
     nums = []
-    for _ in range(self.num_operands):
-      d = int(rng.integers(self.min_digits, self.max_digits + 1))
+    for _ in range(count):
+      d = int(rng.integers(min_digits, max_digits + 1))
       lo = 0 if d == 1 else 10 ** (d - 1)
       nums.append(int(rng.integers(lo, 10**d)))
-    prompt = "+".join(map(str, nums)) + "="
+    return nums
+
+  def example_of(self, nums: list[int], rng: np.random.Generator) -> Example:
+    """The prompt "a+b+...=" of `nums` and its answer in a format drawn from the mixture (no draw
+    for a single format), freely varied if the task is."""
     names = [n for n, _ in self.mixture]
     w = np.asarray([w for _, w in self.mixture], float)
     fmt = names[int(rng.choice(len(names), p=w / w.sum()))] if len(names) > 1 else names[0]
-    return Example(prompt, self.solve(nums, fmt, rng if self._varies else None))
-
-  @property
-  def _varies(self) -> bool:
-    return self.free_order or self.space_prob > 0
-
-  def _columns(self, nums: list[int]) -> list[tuple[list[int], int]]:
-    """Each column's terms (its digits, then the carry in) and its sum, lowest column first."""
-    width = max(len(str(n)) for n in nums)
-    digits = [str(n).zfill(width)[::-1] for n in nums]
-    out, carry = [], 0
-    for col in range(width):
-      terms = [int(d[col]) for d in digits] + [carry]
-      out.append((terms, sum(terms)))
-      carry = sum(terms) // 10
-    return out
+    varies = self.free_order or self.space_prob > 0
+    return Example("+".join(map(str, nums)) + "=", self.solve(nums, fmt, rng if varies else None))
 
   def solve(self, nums: list[int], fmt: str = "columns", rng=None) -> str:
     """The answer in format `fmt`; canonical (no free variation) unless `rng` is given."""
@@ -115,21 +117,31 @@ class Arithmetic:
     def sp(sym: str) -> str:  # a separator: a space may follow; '+' and '=': precede and follow
       return (gap() if sym in (plus, eq) else "") + sym + gap()
 
-    steps = []
-    for terms, s in self._columns(nums):
+    out = []
+    for terms, s in self.steps(nums):
       if not worked:
-        steps.append(str(s))
+        out.append(str(s))
+        continue
+      if len(terms) == 1:
+        out.append(f"{s}{sp(eq)}{s}")
         continue
       if free:
         terms = [terms[i] for i in rng.permutation(len(terms))]
       lhs = str(terms[0]) + "".join(sp(plus) + str(t) for t in terms[1:])
-      steps.append(f"{s}{sp(eq)}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp(eq)}{s}")
-    carry = total // 10 ** len(self._columns(nums))
-    if carry:
-      steps.append(f"{carry}{sp(eq)}{carry}" if worked else str(carry))
-    return "".join(st + (sp(sep) if i < len(steps) - 1 else "") for i, st in enumerate(steps)) + (
+      out.append(f"{s}{sp(eq)}{lhs}" if free and rng.random() < 0.5 else f"{lhs}{sp(eq)}{s}")
+    return "".join(st + (sp(sep) if i < len(out) - 1 else "") for i, st in enumerate(out)) + (
       f"|{total}"
     )
+
+  def longest_answer(self, nums: list[int]) -> int:
+    """The longest answer to `nums` in characters over every format, a space at every place
+    `space_prob` may put one."""
+    longest = 0
+    for f in FORMATS:
+      answer = self.solve(nums, f)
+      spaces = _space_slots(answer) if self.space_prob else 0
+      longest = max(longest, len(answer) + spaces)
+    return longest
 
   def entropy_per_token(self, rng: np.random.Generator, n: int = 2000) -> float:
     """Entropy of the SFT answers per answer token (EOS included), in nats: the exact entropy of
@@ -149,7 +161,9 @@ class Arithmetic:
       total_len += len(canon) + 1 + slots * self.space_prob
       total_h += slots * h_space
       if self.free_order and fmt in SYMBOLS:
-        for terms, _ in self._columns(nums):
+        for terms, _ in self.steps(nums):
+          if len(terms) == 1:
+            continue
           orders = math.factorial(len(terms))
           for c in set(terms):
             orders //= math.factorial(terms.count(c))
@@ -157,9 +171,10 @@ class Arithmetic:
     return float(total_h / total_len)
 
   def reward(self, example: Example, completion: str) -> float:
+    """1 for the sum of the prompt's numbers after the last '|' (in `reward_format`, if set)."""
     m = re.fullmatch(r"(\d+(?:\+\d+)+)=", example.prompt)
     if m is None:
-      raise ValueError(f"not an arithmetic prompt: {example.prompt!r}")
+      raise ValueError(f"not a prompt of the {self.name} task: {example.prompt!r}")
     target = sum(int(x) for x in m.group(1).split("+"))
     if self.reward_format and format_of(completion) != self.reward_format:
       return 0.0
@@ -168,28 +183,55 @@ class Arithmetic:
   def format_of(self, completion: str) -> str:
     return format_of(completion)
 
+
+@dataclasses.dataclass(frozen=True)
+class Arithmetic(WorkedSum):
+  min_digits: int = 1
+  max_digits: int = 3
+  num_operands: int = 2
+  formats: str = "columns"
+  reward_format: str = ""
+  free_order: bool = False
+  space_prob: float = 0.0
+  name: str = "arithmetic"
+
+  def __post_init__(self):
+    self.check_knobs()
+    if self.num_operands < 2:
+      raise ValueError(f"task.arithmetic.num_operands must be >= 2, got {self.num_operands}")
+
+  def sample(self, rng: np.random.Generator) -> Example:
+    nums = self.draw_numbers(rng, self.num_operands, self.min_digits, self.max_digits)
+    return self.example_of(nums, rng)
+
+  def _columns(self, nums: list[int]) -> list[tuple[list[int], int]]:
+    """Each column's terms (its digits, then the carry in) and its sum, lowest column first."""
+    width = max(len(str(n)) for n in nums)
+    digits = [str(n).zfill(width)[::-1] for n in nums]
+    out, carry = [], 0
+    for col in range(width):
+      terms = [int(d[col]) for d in digits] + [carry]
+      out.append((terms, sum(terms)))
+      carry = sum(terms) // 10
+    return out
+
+  def steps(self, nums: list[int]) -> list[tuple[list[int], int]]:
+    """The columns, then the carry out of the last one (a step of one term)."""
+    cols = self._columns(nums)
+    carry = sum(nums) // 10 ** len(cols)
+    return cols + ([([carry], carry)] if carry else [])
+
   def max_length(self) -> int:
     nums = [10**self.max_digits - 1] * self.num_operands
-    longest = 0
-    for f in FORMATS:
-      answer = self.solve(nums, f)
-      spaces = _space_slots(answer) if self.space_prob else 0
-      longest = max(longest, len(answer) + spaces)
-    return self.max_prompt_length() + longest
+    return self.max_prompt_length() + self.longest_answer(nums)
 
   def max_prompt_length(self) -> int:
     return len("+".join([str(10**self.max_digits - 1)] * self.num_operands) + "=")
 
 
-FORMATS = ("columns", "semicolon", "symbols", "sums", "direct")
-# the worked formats' symbols: (between a column's terms, between its terms and its sum, between
-# columns)
-SYMBOLS = {"columns": ("+", "=", ","), "semicolon": ("+", "=", ";"), "symbols": ("&", ":", "/")}
-
-
 def _space_slots(answer: str) -> int:
   """Where `space_prob` may put a space in a canonical answer: before and after each term and sum
-  symbol ('+' and '=', or '&' and ':'), after each separator between columns (the final answer
+  symbol ('+' and '=', or '&' and ':'), after each separator between steps (the final answer
   after '|' never varies)."""
   work = answer.split("|")[0]
   return 2 * sum(work.count(c) for c in "+=&:") + sum(work.count(c) for c in ",;/")

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from specdraft import config as config_lib
-from specdraft.decode import autoregressive, speculative
+from specdraft.decode import cost, engine
 from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import drafts, eagle3
@@ -103,6 +103,11 @@ class Context:
     self.cp = sequence.cp_size(self.mesh)
     cm = config.compute
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
+    # Adaptive speculation (decode.speculation = auto): the acceptance each rollout's G choices
+    # start from (updated after every rollout) and the cost model of a round (calibrated once).
+    dec = config.decode
+    self.acceptance = cost.Acceptance.prior(dec.num_draft, dec.prior_rate, dec.prior_weight)
+    self._cost_model = None
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
   def _check_sft_rows(self):
@@ -201,6 +206,37 @@ class Context:
 
   def log(self, name: str) -> RunLog:
     return RunLog(os.path.join(self.workdir, name))
+
+  def cost_model(self, trainable) -> cost.CostModel:
+    """The cost model of a rollout round, calibrated on first use at this run's rollout shapes
+    (cached under workdir/cost; in a multi-process run process 0's coefficients are everyone's,
+    so every process chooses the same G)."""
+    if self._cost_model is None:
+      c = self.config
+      rows = c.rl.prompts_per_step * c.rl.group_size
+      G, N = c.decode.num_draft, c.rl.max_new_tokens or c.decode.max_new_tokens
+      grid = cost.Grid(
+        rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
+        tokens=tuple(sorted({1, (G + 2) // 2, G + 1})),
+        capacity=self.prompt_len + N + G + 2,
+      )
+      cache_dir = os.path.join(self.workdir, "cost")
+      model, _ = cost.calibrate(
+        trainable["policy"],
+        trainable["draft"],
+        self.pcfg,
+        self.dcfg,
+        grid=grid,
+        cache_dir=cache_dir,
+      )
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        coef = np.asarray(dataclasses.astuple(model.machine), np.float64)
+        coef = multihost_utils.broadcast_one_to_all(coef)
+        model = dataclasses.replace(model, machine=cost.Machine(*map(float, coef)))
+      self._cost_model = model
+    return self._cost_model
 
   def greedy_accuracy(self, params, *, samples: bool = False) -> dict:
     """Greedy held-out accuracy of the policy `params` (with a few samples if asked)."""
@@ -507,29 +543,55 @@ def _keyed_state(ctx: Context, tx, params, seed: int):
 
 
 def _rollout_step(ctx: Context):
-  """Jitted (trainable, key_data, prompts, lengths) -> (Generation, training batch, key_data)
-  with SD rollouts (rollout.draft = cotrained | fixed) or AR rollouts (none)."""
+  """(trainable, key_data, prompts, lengths) -> (Generation, training batch, key_data): SD
+  rollouts (rollout.draft = cotrained | fixed; decode.speculation = fixed | auto) or AR rollouts
+  (none), through `decode.engine` (finished rows compacted away when decode.compact)."""
   c = ctx.config
+  sd = c.rollout.draft != "none"
+  auto = sd and c.decode.speculation == "auto"
   kw = dict(
     max_new_tokens=c.rl.max_new_tokens or c.decode.max_new_tokens,
     temperature=c.rl.temperature,
     top_k=c.rl.top_k,
     top_p=c.rl.top_p,
+    num_draft=c.decode.num_draft if sd else 0,
+    adaptive=auto,
+    compact=c.decode.compact,
+    min_rows=c.decode.min_rows,
+    rows=engine.Rows(ctx.mesh, ctx.rows_sh1.spec[0]) if ctx.mesh.size > 1 else None,
   )
-  if c.rollout.draft == "none":
-    generate = lambda t, pr, ln, k: autoregressive.generate(t["policy"], ctx.pcfg, pr, ln, k, **kw)
-  else:
-    generate = lambda t, pr, ln, k: speculative.generate(
-      t["policy"], t["draft"], ctx.pcfg, ctx.dcfg, pr, ln, k, num_draft=c.decode.num_draft, **kw
-    )
 
   @jax.jit
-  def rollout_step(trainable, key_data, prompts_BS, lengths_B):
+  def split(key_data):
     key, sub = jax.random.split(jax.random.wrap_key_data(key_data))
-    gen = generate(trainable, prompts_BS, lengths_B, sub)
+    return jax.random.key_data(key), sub
+
+  @jax.jit
+  def join(gen, prompts_BS, lengths_B):
     # rows stay where their prompts were: each process scores the rows of its data shards
     gen = gen._replace(tokens=jax.lax.with_sharding_constraint(gen.tokens, ctx.rows_sh))
-    return gen, join_prompt_completion(prompts_BS, lengths_B, gen), jax.random.key_data(key)
+    return gen, join_prompt_completion(prompts_BS, lengths_B, gen)
+
+  def rollout_step(trainable, key_data, prompts_BS, lengths_B):
+    key_data, sub = split(key_data)
+    cost = ctx.cost_model(trainable) if auto else None
+    gen = engine.generate(
+      trainable["policy"],
+      trainable["draft"] if sd else None,
+      ctx.pcfg,
+      ctx.dcfg,
+      prompts_BS,
+      lengths_B,
+      sub,
+      cost=cost,
+      prior=ctx.acceptance,
+      **kw,
+    )
+    if auto:  # the next rollout starts from this one's acceptance (geometric forgetting)
+      stats = {k: multihost.to_host(gen.stats[k]) for k in ("accept_counts", "reach_counts")}
+      ctx.acceptance = ctx.acceptance.updated(stats, keep=c.decode.prior_keep)
+    gen, batch = join(gen, prompts_BS, lengths_B)
+    return gen, batch, key_data
 
   return rollout_step
 
@@ -582,6 +644,13 @@ def _rollout_metrics(ctx: Context, gen, rewards, formats) -> dict:
     "accept_per_position": fig.get("accept_per_position", []),
     "draft_loss": None,  # overwritten by the step's metrics when the draft trains
   }
+  st = {k: multihost.to_host(v) for k, v in gen.stats.items()}
+  rounds = int(st.get("rounds", st["policy_passes"] - 1))
+  # the tail profile: rows still generating at each round (AR: each step)
+  m["active_trace"] = st["active_trace"][:rounds].tolist()
+  if "num_draft_counts" in st:  # SD: the G each round drafted (decode.speculation = auto)
+    m["num_draft_counts"] = st["num_draft_counts"].tolist()
+    m["num_draft_trace"] = st["num_draft_trace"][:rounds].tolist()
   if hasattr(ctx.task, "format_of"):
     m["format_share"] = {f: formats.count(f) / len(formats) for f in sorted(set(formats))}
   return m

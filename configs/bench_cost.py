@@ -1,0 +1,77 @@
+"""Validation of the round cost model (decode/cost.py) on this machine.
+
+Run:   python experiments/bench_cost.py --config=configs/bench_cost.py --workdir=docs/results/bench_cost
+Smoke: python experiments/bench_cost.py --config=configs/bench_cost.py:smoke --workdir=/tmp/bc
+
+For each policy size of `sizes` (configs/default.py's SIZES, with its one-layer EAGLE-3 draft):
+fit the machine coefficients from timed policy and draft passes at the grid points, then time AR
+steps and SD rounds at fixed G (every row riding in every pass) at `rows` x `num_drafts` and
+compare with the prediction. `held_out` is predicted with the coefficients of `fitted_on` only.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from specdraft.config import parse_arg
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, smoke=False)
+  c = ml_collections.ConfigDict()
+  c.bench = dict(
+    sizes=("bench", "small"),
+    held_out=dict(size="tiny", fitted_on="bench"),
+    vocab=64,
+    prompt_len=9,
+    new_tokens=48,
+    rows=(1, 2, 4, 8, 16, 32, 64, 128),
+    num_drafts=(0, 1, 2, 3, 4, 5),
+    grid_rows=(1, 4, 16, 64, 128),
+    grid_tokens=(1, 3, 6),
+    grid_round_rows=(1, 16, 128),
+    grid_round_G=(5,),
+    min_s=0.05,
+    repeats=3,
+  )
+  if arg.smoke:
+    c.bench.update(
+      sizes=("micro",),
+      held_out=dict(size="micro", fitted_on="micro"),
+      new_tokens=8,
+      rows=(1, 4),
+      num_drafts=(0, 2),
+      grid_rows=(1, 4),
+      grid_tokens=(1, 3),
+      grid_round_rows=(1, 4),
+      grid_round_G=(2,),
+      min_s=0.005,
+      repeats=1,
+    )
+  # Fixed 2026-12-04, before the first run.
+  c.bench.goals = dict(
+    calibration=dict(
+      metric="metrics.max_calibration_error",
+      op="<=",
+      target=0.15,
+      fixed="2026-12-04",
+      what="largest |predicted/measured - 1| over the timed passes the coefficients were fitted on",
+    ),
+    rounds=dict(
+      metric="metrics.max_round_error",
+      op="<=",
+      target=0.15,
+      fixed="2026-12-04",
+      what="largest |predicted/measured - 1| over AR steps and SD rounds (rows 1..128, G 0..5) "
+      "on the calibrated sizes",
+    ),
+    held_out=dict(
+      metric="metrics.held_out",
+      op="<=",
+      target=0.15,
+      fixed="2026-12-04",
+      what="largest |predicted/measured - 1| over AR steps and SD rounds of a policy size the "
+      "coefficients were not fitted on",
+    ),
+  )
+  return c

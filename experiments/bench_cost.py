@@ -1,0 +1,35 @@
+"""Validation of the round cost model. See configs/bench_cost.py for the command."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdraft import devices  # noqa: E402  (imports no JAX)
+
+# On CPU, simulate the devices the chosen layout needs (before JAX is imported: XLA reads the
+# device count once). Not under a multi-process launch, on GPU/TPU, or over a count already set.
+devices.simulate_cpu_devices(sys.argv)
+
+from specdraft.parallel import multihost  # noqa: E402
+
+# one host: a multi-process launch is refused before any work
+multihost.single_process_only("experiments/bench_cost.py")
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from specdraft.bench import cost_model  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_cost.py", "Bench config.")
+_WORKDIR = flags.DEFINE_string("workdir", "runs/bench_cost", "Output directory.")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.ERROR)
+  cost_model.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,125 @@
+"""Validation of the round cost model (experiments/bench_cost.py).
+
+For each policy size: calibrate the machine coefficients from timed passes (`decode.cost`), then
+time whole AR steps and SD rounds at fixed G as the decoding loop runs them (a stage's seconds over
+its rounds) and compare with the model's prediction. A held-out size is predicted with the
+coefficients fitted on another size, never timed for the fit. Results go through
+`bench.provenance.write_results` with the goals fixed in configs/bench_cost.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specdraft.bench import provenance
+from specdraft.decode import cost
+from specdraft.model import drafts
+from specdraft.model import policy as pol
+
+
+def models(size_cfg, vocab: int, num_draft: int, seed: int = 0):
+  """(pcfg, dcfg, params, dparams) of one size, freshly initialised (timing needs no training)."""
+  pcfg = pol.PolicyConfig.from_config(size_cfg.model, vocab)
+  dcfg = drafts.draft_config(size_cfg.draft, pcfg, num_draft)
+  params = pol.init_params(pcfg, seed)
+  return pcfg, dcfg, params, drafts.init_params(dcfg, seed + 1, params, pcfg)
+
+
+def run(config, workdir: str) -> dict:
+  """Calibrates on each of `bench.sizes`, validates rounds there and on `bench.held_out`."""
+  from configs import default
+
+  provenance.check_workdir(workdir)
+  b = config.bench
+  fitted, sizes = {}, {}
+  for name in list(b.sizes) + [b.held_out.size]:
+    size_cfg = default.get_config(f"size={name}")
+    pcfg, dcfg, params, dparams = models(size_cfg, b.vocab, max(b.num_drafts))
+    entry = {"policy": dataclasses.asdict(pcfg), "layers": pcfg.n_layers, "width": pcfg.d_model}
+    if name in b.sizes:
+      grid = cost.Grid(
+        rows=tuple(b.grid_rows),
+        tokens=tuple(b.grid_tokens),
+        round_rows=tuple(b.grid_round_rows),
+        round_G=tuple(b.grid_round_G),
+        capacity=b.prompt_len + b.new_tokens + max(b.num_drafts) + 2,
+        prompt_len=b.prompt_len,
+      )
+      model, record = cost.calibrate(params, dparams, pcfg, dcfg, grid=grid, min_s=b.min_s)
+      fitted[name] = model.machine
+      entry["calibration"] = record
+      entry["max_abs_calibration_error"] = max(abs(p["rel_error"]) for p in record["points"])
+    else:
+      model = cost.CostModel(fitted[b.held_out.fitted_on], pcfg, dcfg)
+      entry["fitted_on"] = b.held_out.fitted_on
+    points = cost.time_rounds(
+      params,
+      dparams,
+      pcfg,
+      dcfg,
+      rows=b.rows,
+      num_drafts=b.num_drafts,
+      prompt_len=b.prompt_len,
+      new_tokens=b.new_tokens,
+      repeats=b.repeats,
+    )
+    for p in points:
+      p["predicted"] = cost.predict(model, p)
+      p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
+    entry["rounds"] = points
+    entry["max_abs_round_error"] = max(abs(p["rel_error"]) for p in points)
+    sizes[name] = entry
+    print(f"{name}: max |error| rounds {entry['max_abs_round_error']:.3f}", flush=True)
+  metrics = {
+    "calibrated": {n: sizes[n]["max_abs_calibration_error"] for n in b.sizes},
+    "rounds": {n: sizes[n]["max_abs_round_error"] for n in b.sizes},
+    "held_out": sizes[b.held_out.size]["max_abs_round_error"],
+    "max_calibration_error": max(sizes[n]["max_abs_calibration_error"] for n in b.sizes),
+    "max_round_error": max(sizes[n]["max_abs_round_error"] for n in b.sizes),
+  }
+  results = {"metrics": metrics, "sizes": sizes}
+  return provenance.publish(
+    workdir, results, b.goals, table=table, plot=plot, plot_name="cost_model.png"
+  )
+
+
+def plot(results: dict, path: str) -> None:
+  """Predicted against measured seconds of every AR step and SD round, one colour per size."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(5, 5))
+  lo, hi = np.inf, 0.0
+  for name, entry in results["sizes"].items():
+    m = np.asarray([p["seconds"] for p in entry["rounds"]]) * 1e3
+    q = np.asarray([p["predicted"] for p in entry["rounds"]]) * 1e3
+    tag = " (held out)" if "fitted_on" in entry else ""
+    ax.loglog(m, q, "o", ms=4, label=f"{name}{tag}")
+    lo, hi = min(lo, m.min(), q.min()), max(hi, m.max(), q.max())
+  xs = np.asarray([lo, hi])
+  ax.plot(xs, xs, "k-", lw=0.8)
+  ax.fill_between(xs, xs / 1.15, xs * 1.15, color="0.85", label="+-15%")
+  ax.set_xlabel("measured ms per AR step / SD round")
+  ax.set_ylabel("predicted ms")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def table(results: dict) -> str:
+  lines = [
+    "| size | kind | rows | G | measured ms | predicted ms | error |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, entry in results["sizes"].items():
+    for p in entry["rounds"]:
+      lines.append(
+        f"| {name} | {p['model']} | {p['rows']} | {p['tokens']} | {p['seconds'] * 1e3:.3f} | "
+        f"{p['predicted'] * 1e3:.3f} | {p['rel_error']:+.1%} |"
+      )
+  return "\n".join(lines)
