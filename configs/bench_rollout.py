@@ -2,6 +2,10 @@
 
 Run:   python experiments/bench_rollout.py --config=configs/bench_rollout.py --workdir=runs/bench_rollout
 Smoke: python experiments/bench_rollout.py --config=configs/bench_rollout.py:smoke --workdir=/tmp/br
+Adaptive G (decode.speculation = auto) against AR and every fixed G, all with finished rows
+compacted away, at batch 1..128:
+       python experiments/bench_rollout.py --config=configs/bench_rollout.py:auto \
+         --workdir=docs/results/bench_rollout_auto
 G sweep at the default run's setting (which G makes SD fastest for `make run`):
        python experiments/bench_rollout.py --config=configs/bench_rollout.py:sweep \
          --workdir=docs/results/bench_num_draft
@@ -19,9 +23,11 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, task="arithmetic", sweep=False)
+  arg = parse_arg(arg, smoke=False, task="arithmetic", sweep=False, auto=False)
   if arg.sweep:
     return sweep_config(arg.smoke)
+  if arg.auto:
+    return adaptive_config(arg.smoke, arg.task)
   c = default.get_config(f"size=bench,task={arg.task}" + (",smoke" if arg.smoke else ""))
   c.rl.steps = 0  # the benchmark needs the SFT policy and the distilled draft only
   if not arg.smoke:
@@ -99,6 +105,55 @@ def sweep_config(smoke: bool = False):
       op="==",
       target=True,
       what="greedy SD tokens == greedy AR tokens on every row, exactly (at the best G)",
+    ),
+  )
+  return c
+
+
+def adaptive_config(smoke: bool = False, task: str = "arithmetic"):
+  """Auto G against AR and G = 1..5 on this benchmark's policy and draft (the default variant's
+  training, same workdir layout), every arm with compaction (`decode.compare.engine_arms`)."""
+  c = get_config(f"task={task}" + (",smoke" if smoke else ""))
+  c.bench = dict(
+    adaptive=True,
+    batch_sizes=(1, 4, 8, 16, 32, 64, 128),
+    num_drafts=(1, 2, 3, 4, 5),
+    temperature=1.0,
+    repeats=3,
+    max_new_tokens=40,
+    min_rows=c.decode.min_rows,
+    # cost-model calibration: passes at grid_rows x (1, G_max/2 + 1, G_max + 1) tokens, whole
+    # AR steps and SD rounds at G_max at grid_round_rows (decode/cost.py)
+    grid_rows=(1, 4, 16, 64, 128),
+    grid_round_rows=(1, 16, 128),
+  )
+  if smoke:
+    c.bench.update(
+      batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, max_new_tokens=16, min_rows=1,
+      grid_rows=(1, 4), grid_round_rows=(1, 4),
+    )  # fmt: skip
+  # Fixed 2026-12-04, before the first run (issue 41).
+  c.bench.goals = dict(
+    auto_never_slower=dict(
+      metric="all_batches.auto_over_ar_min",
+      op=">=",
+      target=0.98,
+      fixed="2026-12-04",
+      what="auto G tokens/s over AR tokens/s, lowest over batch sizes (both compacted)",
+    ),
+    auto_near_best_fixed=dict(
+      metric="all_batches.auto_over_best_fixed_min",
+      op=">=",
+      target=0.95,
+      fixed="2026-12-04",
+      what="auto G tokens/s over the best fixed G's (1..5), lowest over batch sizes",
+    ),
+    greedy_equal=dict(
+      metric="all_batches.greedy_equal",
+      op="==",
+      target=True,
+      fixed="2026-12-04",
+      what="greedy auto-G SD tokens == greedy AR tokens on every row, every batch size",
     ),
   )
   return c

@@ -196,7 +196,7 @@ def _flat_cost(pcfg, dcfg, slope: float):
     def round_seconds_all(self, rows, num_draft_max, capacity):
       return _adaptive_choice(num_draft_max, slope)
 
-  return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
+  return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0), pcfg, dcfg)
 
 
 @pytest.mark.parametrize("mode", ["ar", "fixed", "adaptive"])
@@ -208,7 +208,7 @@ def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
   from specdraft.decode import engine
 
   pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
-  kw = dict(max_new_tokens=N, temperature=0.0, compact=True)
+  kw = dict(max_new_tokens=N, temperature=0.0, compact=True, min_rows=4)  # buckets 12, 8, 4
   if mode == "ar":
     gen = engine.generate(
       params, None, pcfg, None, prompts, lengths, jax.random.key(0), num_draft=0, **kw
@@ -222,10 +222,10 @@ def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
       prompts,
       lengths,
       jax.random.key(0),
-      num_draft=4,
+      num_draft=3,
       adaptive=mode == "adaptive",
       cost=_flat_cost(pcfg, dcfg, 0.3),
-      prior=_prior(4),
+      prior=_prior(3),
       **kw,
     )
   np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
@@ -236,7 +236,7 @@ def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
   if mode == "adaptive":
     assert np.count_nonzero(st["num_draft_counts"]) >= 2, st["num_draft_counts"]
     trace = st["num_draft_trace"][: st["rounds"]]
-    assert (trace >= 0).all() and np.bincount(trace, minlength=5).tolist() == st[
+    assert (trace >= 0).all() and np.bincount(trace, minlength=4).tolist() == st[
       "num_draft_counts"
     ].tolist()
 
@@ -251,7 +251,7 @@ def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
 
   pcfg, dcfg, params, dparams, prompts, lengths, _, _ = setup
   G = 0 if mode == "ar" else 3
-  kw = dict(max_new_tokens=N, temperature=1.0, num_draft=G, adaptive=mode == "adaptive")
+  kw = dict(max_new_tokens=N, temperature=1.0, num_draft=G, adaptive=mode == "adaptive", min_rows=4)
   kw.update(cost=_flat_cost(pcfg, dcfg, 0.3), prior=_prior(G))
   run = lambda compact: engine.generate(
     params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(5), compact=compact, **kw

@@ -7,20 +7,25 @@ run here at each batch size of `config.bench.batch_sizes`. Results go through
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
 import numpy as np
 
 from specdraft.bench import provenance
+from specdraft.decode import autoregressive, cost, engine
 from specdraft.decode.compare import (
   compare_rollouts,
+  engine_arms,
   generators,
   greedy_agreement,
   sweep_num_draft,
+  time_side_by_side,
 )
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
+from specdraft.parallel import multihost
 from specdraft.tasks import loader
 from specdraft.train import evaluate, loop
 
@@ -63,6 +68,8 @@ def run(config, workdir: str) -> dict:
   b = config.bench
   if b.get("num_draft_sweep"):
     return run_sweep(config, workdir)
+  if b.get("adaptive"):
+    return run_adaptive(config, workdir)
   summary = loop.train_and_evaluate(config, workdir)  # resumes / skips finished phases
   ctx = loop.Context(config, workdir)
   params, _ = loop.sft_phase(ctx)
@@ -197,5 +204,128 @@ def table(results) -> str:
       f"{r['speedup']:>8.2f} {r['tau']:>6.2f} {r['ar_policy_passes_per_token']:>11.3f} "
       f"{r['sd_policy_passes_per_token']:>11.3f} "
       f"{r['first_call_s_ar']:>7.1f}/{r['first_call_s_sd']:<8.1f} {str(r['greedy_equal']):>7}"
+    )
+  return "\n".join(lines)
+
+
+def run_adaptive(config, workdir: str) -> dict:
+  """Adaptive G against AR and every fixed G, all with finished rows compacted away
+  (`decode.compare.engine_arms`), at every batch size, timed side by side.
+
+  The cost model is calibrated once on this machine (cached in workdir/cost). The auto arm starts
+  from the acceptance an RL run would carry in: the prior updated by one sampled auto rollout of
+  the same prompts before the timed calls."""
+  b = config.bench
+  summary = loop.train_and_evaluate(config, workdir)  # resumes / skips finished phases
+  ctx = loop.Context(config, workdir)
+  params, _ = loop.sft_phase(ctx)
+  dparams, _ = loop.draft_phase(ctx, params)
+  M, N = max(b.num_drafts), b.max_new_tokens
+  grid = cost.Grid(
+    rows=tuple(b.grid_rows),
+    tokens=tuple(sorted({1, (M + 2) // 2, M + 1})),
+    round_rows=tuple(b.grid_round_rows),
+    round_G=(M,),
+    capacity=ctx.prompt_len + N + M + 2,
+    prompt_len=ctx.prompt_len,
+  )
+  model, record = cost.calibrate(
+    params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost")
+  )
+  kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows)
+  rows = []
+  for B in b.batch_sizes:
+    exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(B)]
+    prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    prior = cost.Acceptance.prior(M, config.decode.prior_rate, config.decode.prior_weight)
+    warm = engine.generate(
+      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, jax.random.key(99),
+      temperature=b.temperature, num_draft=M, adaptive=True, cost=model, prior=prior, **kw,
+    )  # fmt: skip
+    stats = {k: multihost.to_host(warm.stats[k]) for k in ("accept_counts", "reach_counts")}
+    prior = prior.updated(stats, keep=config.decode.prior_keep)
+    run = engine_arms(
+      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B,
+      num_drafts=b.num_drafts, cost=model, prior=prior, **kw,
+    )  # fmt: skip
+    run["ar_plain"] = lambda key, t: autoregressive.generate(
+      params, ctx.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
+    )
+    first, samples = time_side_by_side(run, temperature=b.temperature, repeats=b.repeats, seed=100)
+    row = _adaptive_row(B, samples, first, b.num_drafts)
+    row["prior_rates"] = prior.rates().tolist()
+    row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
+    rows.append(row)
+    print(
+      f"  batch {B}: auto/AR {row['auto_over_ar']:.2f}x, best fixed G={row['best_fixed']} "
+      f"{row['best_fixed_over_ar']:.2f}x, auto/best {row['auto_over_best_fixed']:.2f}",
+      flush=True,
+    )
+  payload = {
+    "config": {
+      "num_drafts": list(b.num_drafts),
+      "temperature": b.temperature,
+      "max_new_tokens": N,
+      "repeats": b.repeats,
+      "min_rows": b.min_rows,
+      "policy_layers": ctx.pcfg.n_layers,
+      "d_model": ctx.pcfg.d_model,
+    },
+    "cost_model": record,
+    "rows": rows,
+    "all_batches": {
+      "auto_over_ar_min": min(r["auto_over_ar"] for r in rows),
+      "auto_over_best_fixed_min": min(r["auto_over_best_fixed"] for r in rows),
+      "greedy_equal": all(r["greedy_equal"] for r in rows),
+    },
+    "training_summary": summary,
+  }
+  measured = {"by_batch": {str(r["batch"]): r for r in rows}, "all_batches": payload["all_batches"]}
+  goals = provenance.goals_from_config(b.goals)
+  results = provenance.write_results(workdir, payload, goals=goals, measured=measured)
+  print(adaptive_table(results))
+  print(provenance.goals_table(results["goals"]), flush=True)
+  return results
+
+
+def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
+  """Median tokens/s of every arm; each arm's speedup over compacted AR; the best fixed G."""
+  rate = {str(k): float(np.median([s["tokens_per_s"] for s in v])) for k, v in samples.items()}
+  over_ar = {k: r / rate["ar"] for k, r in rate.items()}
+  best = max((int(G) for G in num_drafts), key=lambda G: rate[str(G)])
+  auto = samples["auto"]
+  return {
+    "batch": B,
+    "tokens_per_s": rate,
+    "over_ar": over_ar,
+    "best_fixed": best,
+    "best_fixed_over_ar": over_ar[str(best)],
+    "auto_over_ar": over_ar["auto"],
+    "auto_over_best_fixed": rate["auto"] / rate[str(best)],
+    "auto_over_ar_per_repeat": [
+      a["tokens_per_s"] / r["tokens_per_s"] for a, r in zip(auto, samples["ar"])
+    ],
+    "tau": {str(k): float(np.median([s.get("tau", 1.0) for s in v])) for k, v in samples.items()},
+    "policy_passes_per_token": {
+      str(k): float(np.median([s["policy_passes_per_token"] for s in v]))
+      for k, v in samples.items()
+    },
+    "auto_num_draft_counts": auto[-1].get("num_draft_counts"),
+    "first_call_s": {str(k): float(v) for k, v in first.items()},
+  }
+
+
+def adaptive_table(results) -> str:
+  arms = ["ar_plain"] + [str(G) for G in results["config"]["num_drafts"]] + ["auto"]
+  head = " ".join(f"{('G=' + a) if a.isdigit() else a:>8}" for a in arms)
+  lines = [
+    "tokens/s over compacted AR (every arm compacted but ar_plain); best = best fixed G",
+    f"{'batch':>5} {'AR tok/s':>9} {head} {'best':>4} {'auto/best':>9} {'greedy=':>7}",
+  ]
+  for r in results["rows"]:
+    cells = " ".join(f"{r['over_ar'][a]:>8.2f}" for a in arms)
+    lines.append(
+      f"{r['batch']:>5} {r['tokens_per_s']['ar']:>9.1f} {cells} {r['best_fixed']:>4} "
+      f"{r['auto_over_best_fixed']:>9.2f} {str(r['greedy_equal']):>7}"
     )
   return "\n".join(lines)

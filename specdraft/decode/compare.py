@@ -6,10 +6,11 @@ Definitions (every figure below is one of these):
                               correction or bonus token), averaged over every (row, round) pair
                               in which the row was still generating: `tau_sum / row_rounds`.
                               1 <= tau <= G + 1.
-  policy passes per token     policy forward passes (prefill included) times the batch size,
-                              divided by the tokens generated. The batch shares each pass, so a
-                              row that stopped early keeps costing passes until every row stops.
-                              AR needs about 1; SD about 1/tau.
+  policy passes per token     the rows of every policy forward pass (prefill included), summed,
+                              divided by the tokens generated: passes times the batch size, or
+                              less where finished rows were compacted away (`decode.engine`).
+                              Without compaction a row that stopped early keeps costing passes
+                              until every row stops. AR needs about 1; SD about 1/tau.
   greedy_equal                at temperature 0, the SD tokens equal the AR tokens on every row,
                               exactly (all `max_new_tokens` positions, PAD after the end).
   tokens/s                    generated tokens (EOS included) over the wall time of one
@@ -25,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from specdraft.decode import autoregressive, speculative
+from specdraft.decode import autoregressive, engine, speculative
 from specdraft.parallel import multihost
 
 
@@ -209,6 +210,21 @@ def generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) 
   return {"ar": ar, "sd": sd}
 
 
+def engine_arms(
+  params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, *, num_drafts, cost, prior, **kw
+) -> dict:
+  """Rollouts through `decode.engine` (finished rows compacted away in every arm): {"ar": AR,
+  G: SD at that fixed G for each G of `num_drafts`, "auto": SD choosing G in 0..max(num_drafts)
+  per round from `cost` and the acceptance `prior`}, each (key, temperature) -> Generation."""
+  arm = lambda G, adaptive: lambda key, t: engine.generate(
+    params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, key, temperature=t,
+    num_draft=G, adaptive=adaptive, cost=cost, prior=prior, **kw,
+  )  # fmt: skip
+  run = {"ar": arm(0, False), **{int(G): arm(int(G), False) for G in num_drafts}}
+  run["auto"] = arm(max(num_drafts), True)
+  return run
+
+
 def greedy_agreement(run_ar, run_sd, key) -> dict:
   """`greedy_equal`: temperature-0 SD tokens == AR tokens on every row, exactly."""
   ar_BN = multihost.to_host(run_ar(key, 0.0).tokens)
@@ -240,6 +256,8 @@ def decoding_figures(gen) -> dict:
     out["tau"] = float(stats["tau_sum"] / max(int(stats["row_rounds"]), 1))
     reached = np.maximum(stats["reach_counts"], 1)
     out["accept_per_position"] = (stats["accept_counts"] / reached).tolist()
+  if "num_draft_counts" in stats:  # rounds at each G (adaptive speculation)
+    out["num_draft_counts"] = np.asarray(stats["num_draft_counts"]).tolist()
   return out
 
 

@@ -316,6 +316,7 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
   decoding loop runs them: a stage's seconds over its rounds (the stop token disabled, so every
   row rides in every pass to the end). [{model: ar | sd, rows, tokens: G, capacity, seconds}]"""
   from specdraft.decode import autoregressive, engine, speculative
+  from specdraft.decode.rejection import rejection_sample
   from specdraft.decode.sampling import Sampling
 
   pcfg = dataclasses.replace(pcfg, eos_id=-1, stop_ids=())
@@ -329,8 +330,8 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
     key = jax.random.key(b)
     spec = autoregressive.Spec(pcfg, new_tokens, sm)
     s = _time_stage(
-      lambda: engine._ar_init(params, prompts, lengths, key, spec=spec),
-      lambda c: engine._ar_stage(params, c, jnp.int32(0), spec=spec),
+      lambda: engine.init_jit(params, None, prompts, lengths, key, spec=spec),
+      lambda c: engine.run_jit(params, None, c, None, jnp.int32(0), spec=spec, sampler=None),
       repeats,
     )
     out.append(dict(model="ar", rows=b, tokens=0, capacity=prompt_len + new_tokens, seconds=s))
@@ -338,8 +339,10 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
       spec = speculative.Spec(pcfg, dcfg, new_tokens, G, False, sm)
       choice = speculative.Choice.of(spec, None, None)
       s = _time_stage(
-        lambda: engine._sd_init(params, dparams, prompts, lengths, key, spec=spec),
-        lambda c: engine._sd_stage(params, dparams, c, choice, jnp.int32(0), spec=spec),
+        lambda: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec),
+        lambda c: engine.run_jit(
+          params, dparams, c, choice, jnp.int32(0), spec=spec, sampler=rejection_sample
+        ),
         repeats,
       )
       cap = prompt_len + new_tokens + G + 2

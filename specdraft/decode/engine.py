@@ -29,6 +29,7 @@ from specdraft.decode.cost import Acceptance, CostModel
 from specdraft.decode.rejection import rejection_sample
 from specdraft.decode.sampling import Generation, Sampling
 from specdraft.model import policy as pol
+from specdraft.parallel import multihost
 
 
 class Rows(NamedTuple):
@@ -81,13 +82,11 @@ def generate(
   away (`compact`; the smallest bucket holds `min_rows` rows, or one per shard of `rows`). Runs on
   the host: one compiled stage per bucket, each a device loop."""
   B = int(prompt_BS.shape[0])
-  sm = Sampling(temperature, top_k, top_p)
   N = max_new_tokens
+  sm = Sampling(temperature, top_k, top_p)
   if num_draft == 0:
     spec = autoregressive.Spec(pcfg, N, sm)
-    stage = lambda carry, stop_below, b: _ar_stage(params, carry, stop_below, spec=spec)
-    carry = _ar_init(params, prompt_BS, prompt_lengths_B, key, spec=spec)
-    finish = functools.partial(_ar_finish, spec=spec)
+    choice_at = lambda b: None
   else:
     if adaptive and cost is None:
       raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
@@ -95,52 +94,71 @@ def generate(
     prior = prior if prior is not None else Acceptance.prior(num_draft)
     capacity = int(prompt_BS.shape[1]) + N + num_draft + 2
 
-    def stage(carry, stop_below, b):
+    def choice_at(b):
       rs = cost.round_seconds_all(b, num_draft, capacity) if adaptive else None
-      choice = speculative.Choice.of(spec, rs, (prior.accepted, prior.reached))
-      return _sd_stage(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler)
+      return speculative.Choice.of(spec, rs, (prior.accepted, prior.reached))
 
-    carry = _sd_init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
-    finish = functools.partial(_sd_finish, spec=spec)
   sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
-  slots = np.arange(B)
-  out = None
-  for i, b in enumerate(sizes):
-    nxt = sizes[i + 1] if i + 1 < len(sizes) else 0
-    carry = stage(carry, jnp.int32(nxt), b)
-    n = int(_num_active(carry))
-    if n == 0 or not nxt:
+  stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)
+  args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
+  carry, out = _start(*args, spec=spec, sampler=sampler)
+  slots = jnp.arange(B)
+  for i in range(1, len(sizes)):
+    done = multihost.to_host(carry["done"])  # the one host sync of a stage
+    if done.all():
       break
-    out = _scatter(out, finish(carry), slots, B)
-    done = np.asarray(jax.device_get(carry["done"]))
-    keep = np.argsort(done, kind="stable")[:nxt]  # the active rows first, in their order
-    carry = _gather(carry, jnp.asarray(keep), rows)
-    slots = slots[keep]
-  last = finish(carry)
-  out = _scatter(out, last, slots, B)
-  return Generation(out.tokens, out.logprobs, out.lengths, last.stats)
+    keep = jnp.asarray(np.argsort(done, kind="stable")[: sizes[i]])  # active rows first
+    carry, out, slots = _next_stage(
+      params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
+      spec=spec, sampler=sampler, rows=rows,
+    )  # fmt: skip
+  return _end(carry, out, slots, spec=spec)
 
 
-@jax.jit
-def _num_active(carry):
-  return jnp.sum(~carry["done"])
+def _init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec):
+  if isinstance(spec, autoregressive.Spec):
+    return autoregressive.init(params, prompt_BS, prompt_lengths_B, key, spec=spec)
+  return speculative.init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
 
 
-def _scatter(out: Generation | None, gen: Generation, slots, B: int) -> Generation:
-  """Writes a bucket's rows back at their places in the whole batch."""
-  idx = jnp.asarray(slots)
-  if out is None:
-    out = Generation(
-      jnp.zeros((B,) + gen.tokens.shape[1:], gen.tokens.dtype),
-      jnp.zeros((B,) + gen.logprobs.shape[1:], gen.logprobs.dtype),
-      jnp.zeros((B,), gen.lengths.dtype),
-      None,
-    )
-  return _scatter_rows(out, gen, idx)
+def _run(params, dparams, carry, choice, stop_below, *, spec, sampler):
+  if isinstance(spec, autoregressive.Spec):
+    return autoregressive.run(params, carry, stop_below, spec=spec)
+  return speculative.run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler)
 
 
-@jax.jit
-def _scatter_rows(out: Generation, gen: Generation, idx):
+def _finish(carry, *, spec) -> Generation:
+  if isinstance(spec, autoregressive.Spec):
+    return autoregressive.finish(carry, spec)
+  return speculative.finish(carry, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
+def _start(params, dparams, prompt_BS, prompt_lengths_B, key, choice, stop_below, *, spec, sampler):
+  """Prefill and the first stage at the whole batch: (carry, the batch's output so far)."""
+  carry = _init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
+  carry = _run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler)
+  return carry, _finish(carry, spec=spec)._replace(stats=None)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler", "rows"))
+def _next_stage(
+  params, dparams, carry, out, slots, keep, choice, stop_below, *, spec, sampler, rows
+):
+  """Writes the bucket's rows back into the batch's output, gathers rows `keep` into the next
+  bucket and runs its stage: (carry, output, slots: each bucket row's row in the batch)."""
+  out = _scatter_rows(out, _finish(carry, spec=spec), slots)
+  carry, slots = _gather(carry, keep, rows), slots[keep]
+  return _run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler), out, slots
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _end(carry, out, slots, *, spec) -> Generation:
+  last = _finish(carry, spec=spec)
+  return _scatter_rows(out, last, slots)._replace(stats=last.stats)
+
+
+def _scatter_rows(out: Generation, gen: Generation, idx) -> Generation:
   return Generation(
     out.tokens.at[idx].set(gen.tokens),
     out.logprobs.at[idx].set(gen.logprobs),
@@ -159,7 +177,6 @@ def _row_axis(path, leaf) -> int | None:
   return 0
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
 def _gather(carry, idx, rows: Rows | None = None):
   """The carry's rows `idx` (a smaller bucket), laid out over the mesh's row axes."""
 
@@ -176,10 +193,6 @@ def _gather(carry, idx, rows: Rows | None = None):
   return jax.tree_util.tree_map_with_path(take, carry)
 
 
-# One compile per (settings, bucket): the stages are jitted with their settings static.
-_sd_init = jax.jit(speculative.init, static_argnames=("spec",))
-_sd_stage = jax.jit(speculative.run, static_argnames=("spec", "sampler"))
-_sd_finish = jax.jit(speculative.finish, static_argnames=("spec",))
-_ar_init = jax.jit(autoregressive.init, static_argnames=("spec",))
-_ar_stage = jax.jit(autoregressive.run, static_argnames=("spec",))
-_ar_finish = jax.jit(autoregressive.finish, static_argnames=("spec",))
+# One stage's pieces on their own (calibration times a whole stage: decode/cost.py).
+init_jit = jax.jit(_init, static_argnames=("spec",))
+run_jit = jax.jit(_run, static_argnames=("spec", "sampler"))
