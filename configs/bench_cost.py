@@ -17,7 +17,7 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, smoke=False)
+  arg = parse_arg(arg, smoke=False, gpu=False)
   c = ml_collections.ConfigDict()
   c.bench = dict(
     sizes=("bench", "small"),
@@ -47,6 +47,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       grid_round_G=(2,),
       min_s=0.005,
       repeats=1,
+    )
+  if arg.gpu and not arg.smoke:  # scripts/device_check.sh: wider policies, up to 256 rows
+    c.bench.update(
+      sizes=("base",),
+      held_out=dict(size="small", fitted_on="base"),
+      new_tokens=64,
+      rows=(1, 16, 64, 256),
+      num_drafts=(0, 2, 5),
+      grid_rows=(1, 16, 64, 256),
+      grid_round_rows=(1, 64, 256),
+      min_s=0.02,
     )
   # Fixed 2026-12-04, before the first run.
   c.bench.goals = dict(

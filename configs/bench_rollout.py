@@ -23,11 +23,11 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, task="arithmetic", sweep=False, auto=False)
+  arg = parse_arg(arg, smoke=False, task="arithmetic", sweep=False, auto=False, gpu=False)
   if arg.sweep:
     return sweep_config(arg.smoke)
   if arg.auto:
-    return adaptive_config(arg.smoke, arg.task)
+    return adaptive_config(arg.smoke, arg.task, arg.gpu)
   c = default.get_config(f"size=bench,task={arg.task}" + (",smoke" if arg.smoke else ""))
   c.rl.steps = 0  # the benchmark needs the SFT policy and the distilled draft only
   if not arg.smoke:
@@ -110,9 +110,11 @@ def sweep_config(smoke: bool = False):
   return c
 
 
-def adaptive_config(smoke: bool = False, task: str = "arithmetic"):
+def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = False):
   """Auto G against AR and G = 1..5 on this benchmark's policy and draft (the default variant's
-  training, same workdir layout), every arm with compaction (`decode.compare.engine_arms`)."""
+  training, same workdir layout), every arm with compaction (`decode.compare.engine_arms`).
+  `gpu` (scripts/device_check.sh): batch 1..256, G = 1, 3, 5, no bucket below 16 rows, shorter
+  training, sized for a few minutes of one accelerator, compiles included."""
   c = get_config(f"task={task}" + (",smoke" if smoke else ""))
   c.bench = dict(
     adaptive=True,
@@ -131,6 +133,13 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic"):
     c.bench.update(
       batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, max_new_tokens=16, min_rows=1,
       grid_rows=(1, 4), grid_round_rows=(1, 4),
+    )  # fmt: skip
+  if gpu and not smoke:
+    c.sft.steps, c.draft.pretrain_steps = 400, 150
+    c.eval.every = c.checkpoint.every = 400
+    c.bench.update(
+      batch_sizes=(1, 16, 64, 256), num_drafts=(1, 3, 5), repeats=2, min_rows=16,
+      grid_rows=(1, 16, 64, 256), grid_round_rows=(1, 64, 256),
     )  # fmt: skip
   # Fixed 2026-12-04, before the first run (issue 41).
   c.bench.goals = dict(
