@@ -4,10 +4,10 @@
 # wheels carried in .whl/ (ml-collections, tensorflow-datasets, array-record, grain and their
 # pure-Python needs; `scripts/device_wheels.sh` downloads them here), then runs, each under its
 # own time limit so one failure leaves the others' results:
-#   1. the cost model's validation (configs/bench_cost.py:gpu: random weights, no data)
-#   2. auto G against AR and fixed G at batch 1..256, every arm compacted
+#   1. auto G against AR and fixed G at batch 1..256, every arm compacted
 #      (configs/bench_rollout.py:auto,gpu: trains its own policy and draft first)
-#   3. a shortened `make run` with adaptive speculation (SFT, distillation, 4 RL steps)
+#   2. a shortened `make run` with adaptive speculation (SFT, distillation, 4 RL steps)
+#   3. the cost model's validation (configs/bench_cost.py:gpu: random weights, no data)
 # Results (results.json of each, logs, the environment) go to $OUT (default runs/device_check).
 # Usage: bash scripts/device_check.sh   (about 8 minutes on one H200, compiles included)
 set -u
@@ -27,14 +27,14 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a limit, keeps its 
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
   [ -f "$W/$name/results.json" ] && cp "$W/$name/results.json" "$OUT/$name.json"
 }
-step bench_cost 150 python3 experiments/bench_cost.py --config=configs/bench_cost.py:gpu \
-  --workdir=$W/bench_cost
-step bench_rollout_auto 230 python3 experiments/bench_rollout.py \
+step bench_rollout_auto 240 python3 experiments/bench_rollout.py \
   --config=configs/bench_rollout.py:auto,gpu --workdir=$W/bench_rollout_auto
-step make_run 100 python3 experiments/train.py --config=configs/default.py \
+step make_run 110 python3 experiments/train.py --config=configs/default.py \
   --workdir=$W/make_run --config.sft.steps=150 --config.draft.pretrain_steps=40 \
   --config.rl.steps=4 --config.rl.eval_every=4 --config.decode.speculation=auto \
   --config.eval.report_repeats=1 --config.eval.num_examples=64
 [ -f "$W/make_run/summary.json" ] && cp "$W/make_run/summary.json" "$OUT/make_run_summary.json"
 [ -f "$W/make_run/metrics.jsonl" ] && cp "$W/make_run/metrics.jsonl" "$OUT/make_run_metrics.jsonl"
+step bench_cost 130 python3 experiments/bench_cost.py --config=configs/bench_cost.py:gpu \
+  --workdir=$W/bench_cost
 exit 0
