@@ -1,0 +1,180 @@
+"""The round cost model (decode/cost.py), the adaptive choice of G and the compaction buckets."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default
+from specdraft import config as config_lib
+from specdraft.decode import cost, engine, speculative
+from specdraft.model import drafts, eagle3
+from specdraft.model import policy as pol
+
+
+def _models(n_layers: int = 2):
+  c = default.get_config("size=tiny")
+  c.model.n_layers, c.model.tap_layers = n_layers, (0,)
+  pcfg = pol.PolicyConfig.from_config(c.model, 64)
+  dcfg = drafts.draft_config(c.draft, pcfg, 5)
+  return pcfg, dcfg
+
+
+def _compiled_flops(fn, *args) -> float:
+  ca = jax.jit(fn).lower(*args).compile().cost_analysis()
+  return float((ca[0] if isinstance(ca, list) else ca)["flops"])
+
+
+@pytest.mark.parametrize("rows,tokens,capacity", [(4, 1, 64), (16, 6, 128)])
+def test_counted_flops_match_the_compiled_programs(rows, tokens, capacity):
+  """policy_work and draft_work count what XLA compiles (one policy layer: the compiler's count of
+  a scanned stack is not per layer; the EAGLE-3 step as it drafts, on its own hidden state)."""
+  pcfg, dcfg = _models(n_layers=1)
+  params = pol.init_params(pcfg, 0)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  tok = jnp.zeros((rows, tokens), jnp.int32)
+  got = _compiled_flops(
+    lambda c, t: pol.decode(params, pcfg, c, t)[0], pol.init_cache(pcfg, rows, capacity), tok
+  )
+  assert got == pytest.approx(cost.policy_work(pcfg, rows, tokens, capacity).flops, rel=0.05)
+  feats = jnp.zeros((rows, tokens, pcfg.d_model))
+  got = _compiled_flops(
+    lambda c, f, t: eagle3.step(dparams, dcfg, params["embed"], c, f, t)[0],
+    eagle3.init_cache(dcfg, rows, capacity),
+    feats,
+    tok,
+  )
+  fuse = 2 * dcfg.n_taps * pcfg.d_model**2 * tokens * rows if tokens > 1 else 0
+  want = cost.draft_work(dcfg, rows, tokens, capacity).flops - fuse  # the step alone
+  assert got == pytest.approx(want, rel=0.05)
+
+
+def test_choose_num_draft_by_hand():
+  """argmax_G E[a + 1 | G] / seconds(G), from the prior's and the generation's counts."""
+  M = 3
+  seconds = np.asarray([1.0, 1.2, 1.4, 1.6], np.float32)
+  stats = lambda acc, reach: {
+    "accept_counts": jnp.asarray(acc, jnp.int32),
+    "reach_counts": jnp.asarray(reach, jnp.int32),
+  }
+  choice = lambda acc, reach: speculative.Choice(
+    jnp.asarray(seconds), jnp.asarray(acc, jnp.float32), jnp.asarray(reach, jnp.float32)
+  )
+  zero = stats([0] * M, [0] * M)
+  # every draft accepted: E = 1, 2, 3, 4 over 1, 1.2, 1.4, 1.6 -> G = 3 (2.5 tokens/s)
+  assert int(speculative.choose_num_draft(zero, choice([4] * M, [4] * M))) == 3
+  # nothing accepted: G = 0
+  assert int(speculative.choose_num_draft(zero, choice([0] * M, [4] * M))) == 0
+  # alpha = 0.5 at every position: E = 1, 1.5, 1.75, 1.875 -> per second 1, 1.25, 1.25, 1.17;
+  # the first of the tied maxima, G = 1
+  assert int(speculative.choose_num_draft(zero, choice([2] * M, [4] * M))) == 1
+  # the generation's own counts join the prior's: alpha = (12/24, 4/4, 4/4) = (0.5, 1, 1):
+  # E = 1, 1.5, 2, 2.5 -> per second 1, 1.25, 1.43, 1.56 -> G = 3
+  g = speculative.choose_num_draft(stats([6, 0, 0], [12, 0, 0]), choice([6, 4, 4], [12, 4, 4]))
+  assert int(g) == 3
+
+
+def test_choose_num_draft_follows_the_expected_rate():
+  """The same choice computed in numpy for many random settings."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    M = int(rng.integers(1, 6))
+    seconds = np.sort(rng.uniform(0.5, 3.0, M + 1)).astype(np.float32)
+    acc = rng.integers(0, 10, M).astype(np.float32)
+    reach = acc + rng.integers(0, 10, M)
+    rates = np.where(reach > 0, acc / np.maximum(reach, 1e-9), 0.0)
+    want = int(np.argmax([cost.expected_tokens(rates, G) / seconds[G] for G in range(M + 1)]))
+    zero = {"accept_counts": jnp.zeros(M, jnp.int32), "reach_counts": jnp.zeros(M, jnp.int32)}
+    ch = speculative.Choice(jnp.asarray(seconds), jnp.asarray(acc), jnp.asarray(reach))
+    assert int(speculative.choose_num_draft(zero, ch)) == want
+
+
+def test_acceptance_prior_and_forgetting():
+  prior = cost.Acceptance.prior(3, rate=0.5, weight=4.0)
+  np.testing.assert_allclose(prior.rates(), [0.5, 0.5, 0.5])
+  upd = prior.updated({"accept_counts": [8, 0, 0], "reach_counts": [8, 2, 0]}, keep=0.5)
+  np.testing.assert_allclose(upd.accepted, [1 + 8, 1, 1])
+  np.testing.assert_allclose(upd.reached, [2 + 8, 2 + 2, 2])
+  assert cost.expected_tokens([1.0, 0.5, 0.5], 3) == pytest.approx(1 + 1 + 0.5 + 0.25)
+
+
+def _synthetic_points(model: cost.CostModel, rows, tokens, capacity=96):
+  pts = []
+  for b in rows:
+    for t in tokens:
+      for m in ("policy", "draft"):
+        pts.append(dict(model=m, rows=b, tokens=t, capacity=capacity))
+    pts.append(dict(model="ar", rows=b, tokens=0, capacity=capacity))
+    pts.append(dict(model="sd", rows=b, tokens=max(tokens) - 1, capacity=capacity))
+  for p in pts:
+    p["seconds"] = cost.predict(model, p)
+  return pts
+
+
+def test_fit_recovers_a_machine_from_its_own_times():
+  """Times made by a known machine are fitted back within 1% at the fitted points and at rows
+  and G never fitted on (the fit is identifiable from a calibration-sized grid)."""
+  pcfg, dcfg = _models()
+  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8), pcfg, dcfg)
+  fitted = cost.CostModel(
+    cost.fit(_synthetic_points(truth, (1, 4, 16, 64, 128), (1, 3, 6)), pcfg, dcfg), pcfg, dcfg
+  )
+  for b in (2, 8, 32, 100):
+    for G in range(6):
+      assert fitted.round_seconds(b, G, 96) == pytest.approx(
+        truth.round_seconds(b, G, 96), rel=0.01
+      )
+    assert fitted.ar_step_seconds(b, 96) == pytest.approx(truth.ar_step_seconds(b, 96), rel=0.01)
+
+
+def test_calibration_is_cached_per_config(tmp_path, monkeypatch):
+  """A second calibration of the same configs and grid reads the first one's file (no timing);
+  another config is calibrated anew."""
+  pcfg, dcfg = _models()
+  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8), pcfg, dcfg)
+  calls = []
+
+  def fake_measure(params, dparams, p, d, grid, *, min_s):
+    calls.append(p)
+    return _synthetic_points(cost.CostModel(truth.machine, p, d), grid.rows, grid.tokens)
+
+  monkeypatch.setattr(cost, "measure", fake_measure)
+  grid = cost.Grid(rows=(1, 8, 64), tokens=(1, 6), round_rows=(1, 64), capacity=96)
+  m1, rec = cost.calibrate(None, None, pcfg, dcfg, grid=grid, cache_dir=str(tmp_path))
+  m2, _ = cost.calibrate(None, None, pcfg, dcfg, grid=grid, cache_dir=str(tmp_path))
+  assert len(calls) == 1 and m1.machine == m2.machine
+  assert max(abs(p["rel_error"]) for p in rec["points"]) < 0.02
+  (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+  assert json.load(open(tmp_path / path))["machine"] == dataclasses.asdict(m1.machine)
+  cost.calibrate(None, None, dataclasses.replace(pcfg, n_layers=3), dcfg, grid=grid,
+                 cache_dir=str(tmp_path))  # fmt: skip
+  assert len(calls) == 2
+
+
+def test_buckets_by_hand():
+  assert engine.buckets(64) == [64, 32, 16, 8, 4, 2, 1]
+  assert engine.buckets(64, 4) == [64, 32, 16, 8, 4]
+  assert engine.buckets(12, 4) == [12, 8, 4]
+  assert engine.buckets(8, 8) == [8]
+  assert engine.buckets(1) == [1]
+  assert engine.buckets(100, 16) == [100, 64, 32, 16]
+
+
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
+    ("speculation", "sometimes", "decode.speculation"),
+    ("min_rows", 0, "decode.min_rows"),
+    ("prior_rate", 1.5, "decode.prior_rate"),
+    ("prior_keep", 2.0, "prior_keep"),
+  ],
+)
+def test_decoding_settings_are_validated_before_any_work(field, value, match):
+  c = default.get_config("smoke")
+  c.decode[field] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(c)
