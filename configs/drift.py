@@ -22,6 +22,15 @@ fourth, D, rolls out with and co-trains a DFlash draft distilled from the same S
 arm and seed here). Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
 round (make run's).
 
+`:longtail` runs the experiment on the long-tailed task (configs/default.py:longtail,
+tasks/longtail.py): sums of a heavy-tailed number of terms worked as a running sum, with the same
+two formats, rewarded rare format and spaces, so a batch of rollouts runs as long as its longest
+completion (the reference completions' p90 is over 3x their median; rows of 128 tokens,
+generations of up to 107). The same arms and goals; its SFT data has less entropy per token
+(about 0.26 nats against 0.35: a step's digits outnumber its places for a space), which the
+entropy goal feels.
+       python experiments/drift.py --config=configs/drift.py:longtail --workdir=runs/drift_longtail
+
 `:equivalence,seeds=20` runs A and C only (and D with `:dflash`; B's goals dropped), for the
 A - C reward equivalence at more seeds: in a workdir whose runs/ holds an earlier run's arms (the
 same SFT policy, draft and seeds), their complete runs are restored and only the new seeds run.
@@ -43,10 +52,13 @@ def get_config(arg: str | None = None):
     rare="symbols",
     layout="single",
     equivalence=False,
+    longtail=False,
   )
-  c = default.get_config(("smoke," if arg.smoke else "") + f"layout={arg.layout}")
-  c.task.arithmetic.formats = f"columns:0.95,{arg.rare}:0.05"
-  c.task.arithmetic.reward_format = arg.rare
+  variant = ("smoke," if arg.smoke else "") + f"layout={arg.layout}"
+  c = default.get_config(variant + (",longtail" if arg.longtail else ""))
+  task = c.task[c.task.name]  # arithmetic, or longtail (its steps take the same formats)
+  task.formats = f"columns:0.95,{arg.rare}:0.05"
+  task.reward_format = arg.rare
   c.rl.steps = 4 if arg.smoke else arg.steps
   c.rl.eval_every = 1000
   if not arg.smoke:  # the SFT policy and draft of the committed results (make run trims its own)

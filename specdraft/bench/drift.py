@@ -223,12 +223,19 @@ def time_to_reward(runs, arm, seeds, threshold: float, window: int) -> dict:
   }
 
 
+def reward_format(config) -> str:
+  """The answer format the run's reward pays for: its task's `reward_format` (arithmetic's when
+  the config names no task; '' for a task without one)."""
+  name = config.task.get("name", "arithmetic")
+  return config.task[name].get("reward_format", "") if name in config.task else ""
+
+
 def _arm_summary(runs, config, arm, k) -> dict:
   seeds = config.drift.seeds
   rew = _curve(runs, arm, "reward_mean", seeds)
   ent = _curve(runs, arm, "entropy", seeds)
   ro = _curve(runs, arm, "rollout_seconds", seeds)
-  fmt = config.task.arithmetic.reward_format
+  fmt = reward_format(config)
   share = np.array(
     [[r["format_share"].get(fmt, 0.0) for r in runs[(arm, s)]] for s in range(seeds)]
   )

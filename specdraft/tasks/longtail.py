@@ -6,11 +6,12 @@ sum). The answer formats, their symbols and the free variation are arithmetic's 
 tasks/arithmetic.py), here over running-sum steps instead of columns:
   columns:   `"38+7=45,45+5=50|50"`   semicolon: `"38+7=45;45+5=50|50"`
   symbols:   `"38&7:45/45&5:50|50"`   sums:      `"45,50|50"`   direct: `"50"`
-`formats` mixes them for the SFT data ("columns:0.95,semicolon:0.05"), `reward_format` (if set)
+`formats` mixes them for the SFT data ("columns:0.95,symbols:0.05"), `reward_format` (if set)
 pays only for correct answers in that format, and `space_prob` / `free_order` vary the steps'
 text (a space around '+' and '=' and after a separator; the two terms of a step in either order
 and the step either way round). The reward reads the final answer after '|' and the format, not
-the steps.
+the steps. A two-term answer is one step with no separator, so "semicolon" cannot be told from
+"columns" there and is refused as the `reward_format` unless min_terms >= 3.
 
 The number of terms n is heavy-tailed: n - min_terms + 1 follows a Zipf law of exponent `alpha`
 truncated to [1, max_terms - min_terms + 1], so most prompts add two or three numbers and a few
@@ -19,12 +20,12 @@ the median one: the setting where a rollout's time is set by its tail.
 
 The first term is uniform in [0, 10 ** first_digits), the others have min_digits to max_digits
 digits (as arithmetic's operands). At the defaults (a first term below 100, then one digit each)
-a step adds one digit to the sum so far, which the 12-layer policy learns within its SFT steps:
-with two-digit terms every step is a two-digit addition written in one go, and 700 SFT steps left
-the policy's sums wrong (`86+2=92`). The wide first term keeps prompts distinct: with every term
-one digit there are only 100 two-term prompts, and holding the test split's out of the train
-split (tasks/datasets.py) would leave the train split few short examples and no longer
-long-tailed.
+a step adds one digit to the sum so far, which the 12-layer policy learns in the run's 700 SFT
+steps (greedy accuracy 0.96 in any format, configs/default.py:longtail); with two-digit terms
+every step is a two-digit addition written in one go, and 700 SFT steps left the policy's sums
+wrong (`86+2=92`, accuracy near 0). The wide first term keeps prompts distinct: with every term one
+digit there are only 100 two-term prompts, and holding the test split's out of the train split
+(tasks/datasets.py) would leave the train split few short examples and no longer long-tailed.
 
 At the defaults (up to 8 terms, alpha 1.75: 60% of the prompts have 2 terms, 2% have 8) and the
 `configs/default.py:longtail` run's formats and spaces, the reference completions (answer and EOS,
@@ -67,6 +68,12 @@ class Longtail(WorkedSum):
       raise ValueError(f"task.longtail.alpha must be >= 0 (0: uniform), got {self.alpha}")
     if self.first_digits < 1:
       raise ValueError(f"task.longtail.first_digits must be >= 1, got {self.first_digits}")
+    if self.reward_format == "semicolon" and self.min_terms < 3:
+      raise ValueError(
+        f"task.longtail.reward_format='semicolon' is invalid with min_terms={self.min_terms}: "
+        "a two-term answer is one step, with no separator, so it reads as 'columns' and could "
+        "never be paid; use 'symbols' (every step's symbols differ) or min_terms >= 3"
+      )
 
   def term_probs(self) -> np.ndarray:
     """P(n) for n = min_terms .. max_terms: proportional to (n - min_terms + 1) ** -alpha."""

@@ -86,15 +86,26 @@ def _flat(d: dict, prefix: str = "") -> dict:
   return out
 
 
+def _identity(flat: dict) -> dict:
+  """The IDENTITY settings of a flat config. Of the tasks' sub-configs only the run's own task's
+  count (`task.<task.name>.*`, what its data builder reads: tasks/datasets.py), so another task's
+  knobs, or a task added after the run was recorded, do not change what the run is."""
+  task = flat.get("task.name")
+  own = lambda k: k.count(".") < 2 or not k.startswith("task.") or k.startswith(f"task.{task}.")
+  return {
+    k: v for k, v in flat.items() if own(k) and any(k == p or k.startswith(p) for p in IDENTITY)
+  }
+
+
 def check_and_record_config(config, workdir: str) -> None:
   """Writes the run's config to workdir/run_config.json; when the workdir already holds one (a
   resumed run), refuses, naming the field, a change to a setting of IDENTITY."""
   flat = json.loads(json.dumps(_flat(config.copy_and_resolve_references().to_dict()), default=str))
-  ident = {k: v for k, v in flat.items() if any(k == p or k.startswith(p) for p in IDENTITY)}
+  ident = _identity(flat)
   path = os.path.join(workdir, RUN_CONFIG)
   if os.path.isfile(path):
     with open(path) as f:
-      before = json.load(f)["identity"]
+      before = _identity(json.load(f)["identity"])
     for k in sorted(set(before) | set(ident)):
       if k not in before and k in ADDED_LATER:
         before[k] = ADDED_LATER[k](before)
