@@ -52,11 +52,9 @@ def _draft_config(kind, pcfg):
   )
 
 
-# DSpark's run (the DFlash path plus its Markov head) is in `make test-slow`; CI runs both suites.
-@pytest.fixture(
-  scope="module", params=["eagle3", "dflash", pytest.param("dspark", marks=pytest.mark.slow)]
-)
-def setup(request):
+def _policy_and_prompts():
+  """A tiny random policy with decided greedy choices, prompts of different lengths and its
+  greedy AR rows (the reference every greedy test compares with)."""
   pcfg = pol.PolicyConfig(
     vocab_size=V,
     d_model=32,
@@ -67,7 +65,6 @@ def setup(request):
     d_ff=64,
     init_std=0.3,  # spread-out logits: clear greedy choices that depend on the context
   )
-  dcfg = _draft_config(request.param, pcfg)
   params = pol.init_params(pcfg, 0)
   params["embed"] = params["embed"].at[EOS].multiply(1.3)  # EOS wins in some contexts
   rng = np.random.default_rng(0)
@@ -79,6 +76,21 @@ def setup(request):
   ar = autoregressive.generate(
     params, pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N, temperature=0.0
   )
+  return pcfg, params, prompts, lengths, ar
+
+
+@pytest.fixture(scope="module")
+def policy_setup():
+  return _policy_and_prompts()
+
+
+# DSpark's run (the DFlash path plus its Markov head) is in `make test-slow`; CI runs both suites.
+@pytest.fixture(
+  scope="module", params=["eagle3", "dflash", pytest.param("dspark", marks=pytest.mark.slow)]
+)
+def setup(request):
+  pcfg, params, prompts, lengths, ar = _policy_and_prompts()
+  dcfg = _draft_config(request.param, pcfg)
   # Distil the draft on the policy's own greedy rows (the TTT targets are the policy's logits).
   batch = join_prompt_completion(prompts, lengths, ar)
   batch["loss_mask"] = batch["segment_ids"].astype(jnp.float32)
@@ -199,35 +211,54 @@ def _flat_cost(pcfg, dcfg, slope: float):
   return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0), pcfg, dcfg)
 
 
-@pytest.mark.parametrize("mode", ["ar", "fixed", "adaptive"])
+def test_compacted_ar_keeps_greedy_and_sampled_tokens(policy_setup):
+  """AR through the engine (finished rows compacted into buckets 12, 8, 4): greedy gives the AR
+  tokens exactly with fewer row-passes; sampled gives every row the tokens of the single loop."""
+  from specdraft.decode import engine
+
+  pcfg, params, prompts, lengths, ar = policy_setup
+  run = lambda t, compact, key: engine.generate(
+    params, None, pcfg, None, prompts, lengths, key, max_new_tokens=N, temperature=t,
+    num_draft=0, compact=compact, min_rows=4,
+  )  # fmt: skip
+  gen = run(0.0, True, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  st = jax.device_get(gen.stats)
+  assert st["row_passes"] < st["policy_passes"] * len(lengths), st
+  a, b = run(1.0, True, jax.random.key(5)), run(1.0, False, jax.random.key(5))
+  ref = autoregressive.generate(
+    params, pcfg, prompts, lengths, jax.random.key(5), max_new_tokens=N, temperature=1.0
+  )
+  for g in (a, b):
+    np.testing.assert_array_equal(np.asarray(g.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(g.lengths), np.asarray(ref.lengths))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-6)
+  assert len(set(np.asarray(a.lengths).tolist())) > 1  # rows ended at different steps
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
   """Greedy decoding through the engine (finished rows compacted into power-of-two buckets; with
-  `adaptive`, G in 0..4 chosen per round) gives the AR tokens exactly."""
-  if mode == "ar" and setup[1].__class__ is not eagle3.DraftConfig:
-    pytest.skip("AR decoding has no draft: run once, with the eagle3 setup")
+  `adaptive`, G in 0..3 chosen per round) gives the AR tokens exactly."""
   from specdraft.decode import engine
 
   pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
   kw = dict(max_new_tokens=N, temperature=0.0, compact=True, min_rows=4)  # buckets 12, 8, 4
-  if mode == "ar":
-    gen = engine.generate(
-      params, None, pcfg, None, prompts, lengths, jax.random.key(0), num_draft=0, **kw
-    )
-  else:
-    gen = engine.generate(
-      params,
-      dparams,
-      pcfg,
-      dcfg,
-      prompts,
-      lengths,
-      jax.random.key(0),
-      num_draft=3,
-      adaptive=mode == "adaptive",
-      cost=_flat_cost(pcfg, dcfg, 0.3),
-      prior=_prior(3),
-      **kw,
-    )
+  gen = engine.generate(
+    params,
+    dparams,
+    pcfg,
+    dcfg,
+    prompts,
+    lengths,
+    jax.random.key(0),
+    num_draft=3,
+    adaptive=mode == "adaptive",
+    cost=_flat_cost(pcfg, dcfg, 0.3),
+    prior=_prior(3),
+    **kw,
+  )
   np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
   np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
   st = jax.device_get(gen.stats)
@@ -241,16 +272,14 @@ def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
     ].tolist()
 
 
-@pytest.mark.parametrize("mode", ["ar", "fixed", "adaptive"])
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
   """Sampled decoding: the same key gives every row the same tokens with and without compaction
   (each row draws from its own key), and the engine without compaction is `generate` itself."""
-  if mode == "ar" and setup[1].__class__ is not eagle3.DraftConfig:
-    pytest.skip("AR decoding has no draft: run once, with the eagle3 setup")
   from specdraft.decode import engine
 
   pcfg, dcfg, params, dparams, prompts, lengths, _, _ = setup
-  G = 0 if mode == "ar" else 3
+  G = 3
   kw = dict(max_new_tokens=N, temperature=1.0, num_draft=G, adaptive=mode == "adaptive", min_rows=4)
   kw.update(cost=_flat_cost(pcfg, dcfg, 0.3), prior=_prior(G))
   run = lambda compact: engine.generate(
@@ -273,10 +302,5 @@ def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
       max_new_tokens=N,
       temperature=1.0,
       num_draft=G,
-    )
-    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
-  if mode == "ar":
-    ref = autoregressive.generate(
-      params, pcfg, prompts, lengths, jax.random.key(5), max_new_tokens=N, temperature=1.0
     )
     np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
