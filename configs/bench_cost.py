@@ -24,7 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     held_out=dict(size="tiny", fitted_on="bench"),
     vocab=64,
     prompt_len=9,
-    new_tokens=48,
+    new_tokens=32,
     rows=(1, 2, 4, 8, 16, 32, 64, 128),
     num_drafts=(0, 1, 2, 3, 4, 5),
     grid_rows=(1, 4, 16, 64, 128),
