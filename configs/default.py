@@ -323,6 +323,9 @@ def _longtail(c: ml_collections.ConfigDict, smoke: bool) -> None:
     # rows of 128 tokens hold the longest example; at 30 tokens an example (arithmetic's: 40),
     # 16 of them take about as many examples a step as the arithmetic run's 32 rows of 72
     c.data.batch_size = 16
+  # the tail is where speculation pays: G chosen per round from the round's measured cost (issue
+  # 41); compaction (decode.compact, on by default) in every arm, AR's too
+  c.decode.speculation = "auto"
   task = Longtail(**c.task.longtail)
   answer = task.max_length() - task.max_prompt_length() + 1  # the longest completion, EOS included
   c.decode.max_new_tokens = max(c.decode.max_new_tokens, answer)
