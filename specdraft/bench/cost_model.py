@@ -71,7 +71,12 @@ def run(config, workdir: str) -> dict:
     entry["rounds"] = points
     entry["max_abs_round_error"] = max(abs(p["rel_error"]) for p in points)
     sizes[name] = entry
-    print(f"{name}: max |error| rounds {entry['max_abs_round_error']:.3f}", flush=True)
+    worst = max(points, key=lambda p: abs(p["rel_error"]))
+    print(
+      f"{name}: max |error| rounds {entry['max_abs_round_error']:.3f} (at {worst['model']}, "
+      f"rows {worst['rows']}, G {worst['tokens']})",
+      flush=True,
+    )
   metrics = {
     "calibrated": {n: sizes[n]["max_abs_calibration_error"] for n in b.sizes},
     "rounds": {n: sizes[n]["max_abs_round_error"] for n in b.sizes},

@@ -256,6 +256,7 @@ def run_adaptive(config, workdir: str) -> dict:
     row["prior_rates"] = prior.rates().tolist()
     row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
     rows.append(row)
+    jax.clear_caches()  # this batch's compiles (every arm's buckets) are not needed again
     print(
       f"  batch {B}: auto/AR {row['auto_over_ar']:.2f}x, best fixed G={row['best_fixed']} "
       f"{row['best_fixed_over_ar']:.2f}x, auto/best {row['auto_over_best_fixed']:.2f}",

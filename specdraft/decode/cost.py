@@ -347,6 +347,9 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
       )
       cap = prompt_len + new_tokens + G + 2
       out.append(dict(model="sd", rows=b, tokens=G, capacity=cap, seconds=s))
+    # every stage here is its own compile: hundreds of executables held at once exhausted the
+    # process's memory mappings on this CPU (an LLVM allocation abort), so they go per row count
+    jax.clear_caches()
   return out
 
 
