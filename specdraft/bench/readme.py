@@ -14,6 +14,8 @@ import json
 import os
 from collections.abc import Callable
 
+import numpy as np
+
 BEGIN = "<!-- results:begin"
 END = "<!-- results:end -->"
 
@@ -44,7 +46,8 @@ def _yes(b) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  # a '|' inside a cell (a goal's |x - 1|) would end the cell: escaped
+  lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
   return "\n".join(lines)
 
 
@@ -845,12 +848,44 @@ def plan_layouts(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def cost_model(r: dict) -> str:
+  """The round cost model's validation: per policy size, its largest and median errors."""
+  rows = []
+  for name, e in r["sizes"].items():
+    err = [abs(p["rel_error"]) for p in e["rounds"]]
+    worst = max(e["rounds"], key=lambda p: abs(p["rel_error"]))
+    fitted = e.get("fitted_on")
+    rows.append(
+      [
+        f"{name} ({e['layers']} layers, width {e['width']})",
+        f"held out (fitted on {fitted})" if fitted else "itself",
+        "-" if fitted else f"{e['max_abs_calibration_error']:.0%}",
+        f"{max(err):.0%} ({worst['model']}, {worst['rows']} rows, G {worst['tokens']})",
+        f"{float(np.median(err)):.0%}",
+      ]
+    )
+  head = (
+    "### The cost model of a round: predicted against measured\n\n"
+    "The machine coefficients of `decode/cost.py` fitted to timed passes and a few whole rounds of "
+    "each calibrated size, then AR steps and SD rounds at fixed G timed as the decoding loop runs "
+    "them (every row riding in every pass) at rows 1..128 and G 0..5, and compared with the "
+    "prediction; the held-out size is predicted with another size's coefficients. Errors are "
+    "|predicted / measured − 1|."
+  )
+  table = _table(
+    ["policy", "coefficients", "largest calibration error", "largest round error", "median"],
+    rows,
+  )
+  return head + "\n\n" + table
+
+
 # (results file, renderer); a renderer takes the results and the file's directory.
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
   ("docs/results/bench_num_draft/results.json", lambda r, d: num_draft_sweep(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
+  ("docs/results/bench_cost/results.json", lambda r, d: cost_model(r)),
   ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_drafts_markov/results.json", lambda r, d: drafts_markov(r)),
   ("docs/results/bench_drafts_layers2/results.json", lambda r, d: drafts_compare(r)),
