@@ -53,11 +53,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sizes=("base",),
       held_out=dict(size="small", fitted_on="base"),
       new_tokens=64,
-      rows=(1, 64, 256),
-      num_drafts=(0, 2, 5),
+      rows=(1, 256),
+      num_drafts=(0, 5),
       grid_rows=(1, 64, 256),
       grid_tokens=(1, 6),
-      grid_round_rows=(1, 256),
+      grid_round_rows=(256,),
       min_s=0.02,
     )
   # Fixed 2026-12-04, before the first run.

@@ -9,7 +9,8 @@
 #   2. a shortened `make run` with adaptive speculation (SFT, distillation, 4 RL steps)
 #   3. the cost model's validation (configs/bench_cost.py:gpu: random weights, no data)
 # Results (results.json of each, logs, the environment) go to $OUT (default runs/device_check).
-# Usage: bash scripts/device_check.sh   (about 8 minutes on one H200, compiles included)
+# Usage: bash scripts/device_check.sh   (limits add to 8 minutes; on one H200 on 2026-12-04, at
+# larger grids, every step ran into its limit: compiles dominate there, a few seconds each)
 set -u
 OUT=${OUT:-runs/device_check}
 mkdir -p "$OUT"
@@ -27,9 +28,9 @@ step() {  # step NAME SECONDS COMMAND...: runs COMMAND under a limit, keeps its 
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
   [ -f "$W/$name/results.json" ] && cp "$W/$name/results.json" "$OUT/$name.json"
 }
-step bench_rollout_auto 240 python3 experiments/bench_rollout.py \
+step bench_rollout_auto 200 python3 experiments/bench_rollout.py \
   --config=configs/bench_rollout.py:auto,gpu --workdir=$W/bench_rollout_auto
-step make_run 110 python3 experiments/train.py --config=configs/default.py \
+step make_run 150 python3 experiments/train.py --config=configs/default.py \
   --workdir=$W/make_run --config.sft.steps=150 --config.draft.pretrain_steps=40 \
   --config.rl.steps=4 --config.rl.eval_every=4 --config.decode.speculation=auto \
   --config.eval.report_repeats=1 --config.eval.num_examples=64
