@@ -94,11 +94,17 @@ def test_choose_num_draft_follows_the_expected_rate():
 
 
 def test_acceptance_prior_and_forgetting():
+  """Observed counts decay by `keep` per rollout; the prior stays, so a position no round drafted
+  lately keeps the prior's rate instead of falling to zero."""
   prior = cost.Acceptance.prior(3, rate=0.5, weight=4.0)
   np.testing.assert_allclose(prior.rates(), [0.5, 0.5, 0.5])
   upd = prior.updated({"accept_counts": [8, 0, 0], "reach_counts": [8, 2, 0]}, keep=0.5)
-  np.testing.assert_allclose(upd.accepted, [1 + 8, 1, 1])
-  np.testing.assert_allclose(upd.reached, [2 + 8, 2 + 2, 2])
+  np.testing.assert_allclose(upd.accepted, [2 + 8, 2, 2])
+  np.testing.assert_allclose(upd.reached, [4 + 8, 4 + 2, 4])
+  for _ in range(30):  # thirty rollouts that never draft past position 1
+    upd = upd.updated({"accept_counts": [8, 0, 0], "reach_counts": [8, 0, 0]}, keep=0.5)
+  np.testing.assert_allclose(upd.rates()[1:], [0.5, 0.5], rtol=1e-6)
+  assert upd.rates()[0] == pytest.approx((2 + 16) / (4 + 16), rel=1e-6)
   assert cost.expected_tokens([1.0, 0.5, 0.5], 3) == pytest.approx(1 + 1 + 0.5 + 0.25)
 
 

@@ -173,24 +173,39 @@ class CostModel:
 
 
 class Acceptance(NamedTuple):
-  """Pseudo counts (accepted, reached) [M] per drafted position: the prior an adaptive round
-  starts from. `updated` folds in a rollout's counts with geometric forgetting, so the estimate
-  follows a draft and policy that change during training."""
+  """Pseudo counts (accepted, reached) [M] per drafted position that an adaptive round starts
+  from: a fixed prior plus the rollouts' own counts, which `updated` folds in with geometric
+  forgetting (so the estimate follows a draft and policy that change during training). The prior
+  never decays: a position no recent round drafted keeps the prior's rate rather than falling to
+  zero, which would stop the choice from ever drafting that deep again."""
 
-  accepted: np.ndarray
-  reached: np.ndarray
+  prior_accepted: np.ndarray
+  prior_reached: np.ndarray
+  seen_accepted: np.ndarray
+  seen_reached: np.ndarray
 
   @classmethod
   def prior(cls, num_draft_max: int, rate: float = 0.6, weight: float = 4.0) -> Acceptance:
     """`weight` pseudo rounds at conditional acceptance `rate` at every position: optimistic
     enough that a fresh run drafts, weak enough that a few rounds overrule it."""
     reached = np.full((num_draft_max,), weight, np.float64)
-    return cls(rate * reached, reached)
+    zero = np.zeros((num_draft_max,), np.float64)
+    return cls(rate * reached, reached, zero, zero)
+
+  @property
+  def accepted(self) -> np.ndarray:
+    return self.prior_accepted + self.seen_accepted
+
+  @property
+  def reached(self) -> np.ndarray:
+    return self.prior_reached + self.seen_reached
 
   def updated(self, stats: dict, keep: float = 0.5) -> Acceptance:
     acc = np.asarray(stats["accept_counts"], np.float64)
     reach = np.asarray(stats["reach_counts"], np.float64)
-    return Acceptance(keep * self.accepted + acc, keep * self.reached + reach)
+    return self._replace(
+      seen_accepted=keep * self.seen_accepted + acc, seen_reached=keep * self.seen_reached + reach
+    )
 
   def rates(self) -> np.ndarray:
     return np.where(self.reached > 0, self.accepted / np.maximum(self.reached, 1e-9), 0.0)
