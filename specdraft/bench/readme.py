@@ -895,6 +895,10 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
     "docs/results/drift_equivalence/results.json",
     lambda r, d: drift(r, d, "Drift at more seeds: are A's and C's final rewards equivalent?"),
   ),
+  (
+    "docs/results/drift_longtail_pilot/results.json",
+    lambda r, d: drift(r, d, "Drift on the long-tailed task: a one-seed pilot of A and C"),
+  ),
   ("docs/results/bench_long/results.json", long),
   ("docs/results/long_run/results.json", long_run),
   ("docs/results/long_8k/results.json", long_run),
