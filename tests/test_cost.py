@@ -125,7 +125,7 @@ def test_fit_recovers_a_machine_from_its_own_times():
   """Times made by a known machine are fitted back within 1% at the fitted points and at rows
   and G never fitted on (the fit is identifiable from a calibration-sized grid)."""
   pcfg, dcfg = _models()
-  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8), pcfg, dcfg)
+  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
   fitted = cost.CostModel(
     cost.fit(_synthetic_points(truth, (1, 4, 16, 64, 128), (1, 3, 6)), pcfg, dcfg), pcfg, dcfg
   )
@@ -141,7 +141,7 @@ def test_calibration_is_cached_per_config(tmp_path, monkeypatch):
   """A second calibration of the same configs and grid reads the first one's file (no timing);
   another config is calibrated anew."""
   pcfg, dcfg = _models()
-  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8), pcfg, dcfg)
+  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
   calls = []
 
   def fake_measure(params, dparams, p, d, grid, *, min_s):

@@ -208,7 +208,7 @@ def _flat_cost(pcfg, dcfg, slope: float):
     def round_seconds_all(self, rows, num_draft_max, capacity):
       return _adaptive_choice(num_draft_max, slope)
 
-  return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0), pcfg, dcfg)
+  return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
 
 
 def test_compacted_ar_keeps_greedy_and_sampled_tokens(policy_setup):

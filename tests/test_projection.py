@@ -26,7 +26,7 @@ def models(config):
 
 def _round_only(models, round_s=1.0):
   """A machine whose every AR step and SD round costs round_s, whatever its rows and G."""
-  m = cost.Machine(0.0, 0.0, math.inf, math.inf, round_s, math.inf)
+  m = cost.Machine(0.0, 0.0, math.inf, math.inf, round_s, math.inf, math.inf)
   return cost.CostModel(m, *models)
 
 
@@ -81,7 +81,7 @@ def test_buckets_shrink_as_rows_finish(models):
 def test_tail_profile_and_replay(models):
   """An AR run's active trace gives back its rows' lengths; replaying its steps costs what the
   fluid AR arm costs."""
-  model = cost.CostModel(cost.Machine(1e-5, 2e-6, 1e10, 1e11, 3e-5, 1e9), *models)
+  model = cost.CostModel(cost.Machine(1e-5, 2e-6, 1e10, 1e11, 3e-5, 1e9, 1e11), *models)
   decoded = np.asarray([0, 3, 3, 7, 12, 30])
   trace = [int(np.sum(decoded > s)) for s in range(decoded.max())]
   np.testing.assert_array_equal(projection.rounds_alive(trace, 6), decoded)

@@ -400,6 +400,7 @@ def sanity_check(run_dir: str, inputs: dict) -> dict | None:
   # a record from before the round's own work was modelled: that term is zero
   coef.setdefault("round_s", 0.0)
   coef.setdefault("sample_rate", math.inf)
+  coef.setdefault("kv_rate", coef["byte_rate"])  # records before the KV rate: one byte rate
   model = cost.CostModel(cost.Machine(**coef), pcfg, dcfg)
   N = inputs["max_new_tokens"]
   sd_cap = int(record["grid"]["capacity"])  # prompt_len + N + G_max + 2 (Context.cost_model)

@@ -3,10 +3,17 @@
 Time of one pass (the policy's or the draft's) over `rows` rows of `tokens` new tokens each,
 attending over a cache of `capacity` entries, in a roofline form:
 
-    seconds = pass_s + layer_s * layers + max(flops / flop_rate, (weight_bytes + kv_bytes) / byte_rate)
+    seconds = pass_s + layer_s * layers
+              + max(flops / flop_rate, weight_bytes / byte_rate + kv_bytes / kv_rate)
 
 flops and bytes are counted from the model's config (`policy_work`, `draft_work`); the layers
 term is what a pass costs whatever its size (kernel launches, loop and scheduling overhead).
+Weights and the KV cache move at rates of their own: on a CPU the weights of a small model stay
+in cache while the KV cache streams; on a GPU both are HBM (a datasheet gives one figure for
+both). The policy's decode carries its whole [L, B, C, K, D] cache through the scan over layers,
+and each layer's step touches it (the compiled program's bytes accessed are about L times the
+cache: 1.14 GB a pass at 128 rows, 12 layers and a 100 MB cache), so its KV traffic is counted
+as L passes over the cache.
 
 A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the draft's passes
 (EAGLE-3: G - 1 single-token steps and a (G + 1)-token catch-up, G = 0: one single-token
@@ -15,7 +22,7 @@ write only) plus the round's own work, round_s + rows * (G + 1) * V / sample_rat
 distributions over the vocabulary, sampling, verification, writing out). An AR step is one policy
 pass over one token plus the same own work at G = 0.
 
-The six machine coefficients are fitted by `calibrate` from timed passes of both models and timed
+The seven machine coefficients are fitted by `calibrate` from timed passes of both models and timed
 AR steps and SD rounds at a few (rows, G) on the machine at hand (tens of seconds; cached per
 config, backend and JAX version). One set of coefficients serves the policy and the draft, so the
 model carries over to a policy size it was not fitted on.
@@ -77,7 +84,7 @@ def policy_work(pcfg: pol.PolicyConfig, rows: int, tokens: int, capacity: int) -
   itemsize = jnp.dtype(pcfg.dtype).itemsize
   flops = rows * (L * _layer_flops(E, H, K, D, F, tokens, capacity) + tokens * 2 * E * V)
   weights = (L * _layer_params(E, H, K, D, F) + V * E) * itemsize
-  kv = rows * capacity * L * 2 * K * D * itemsize
+  kv = L * rows * capacity * L * 2 * K * D * itemsize  # the carried cache, once per layer
   return Work(float(flops), float(weights), float(kv), L)
 
 
@@ -107,8 +114,9 @@ def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s of a
-  pass; fixed seconds per round and vocabulary entries per second of a round's own work."""
+  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s of
+  weights of a pass; fixed seconds per round and vocabulary entries per second of a round's own
+  work; bytes/s of KV-cache traffic."""
 
   pass_s: float
   layer_s: float
@@ -116,10 +124,11 @@ class Machine:
   byte_rate: float
   round_s: float
   sample_rate: float
+  kv_rate: float
 
   def seconds(self, w: Work) -> float:
-    roof = max(w.flops / self.flop_rate, (w.weight_bytes + w.kv_bytes) / self.byte_rate)
-    return self.pass_s + self.layer_s * w.layers + roof
+    moved = w.weight_bytes / self.byte_rate + w.kv_bytes / self.kv_rate
+    return self.pass_s + self.layer_s * w.layers + max(w.flops / self.flop_rate, moved)
 
   def round_overhead(self, rows: int, tokens: int, vocab: int) -> float:
     return self.round_s + rows * tokens * vocab / self.sample_rate
@@ -136,6 +145,7 @@ class Machine:
       spec["hbm_bytes_per_s"],
       spec["round_s"],
       spec["sample_rate"],
+      spec.get("kv_bytes_per_s", spec["hbm_bytes_per_s"]),
     )
 
 
@@ -410,7 +420,7 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
   t_min = float(np.exp(t.min()))
   for rate in (1e9, 1e10, 1e11):
     for share in (0.1, 0.5):
-      x0 = np.log([t_min * share, t_min * share / 10, rate, rate, t_min * share, rate / 10])
+      x0 = np.log([t_min * share, t_min * share / 10, rate, rate, t_min * share, rate / 10, rate])
       r = least_squares(resid, x0, method="trf")
       if best is None or r.cost < best.cost:
         best = r
