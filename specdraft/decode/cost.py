@@ -427,11 +427,25 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
   return Machine(*(float(v) for v in np.exp(best.x)))
 
 
+# The model's form: a calibration cached under another form is not read back.
+FORM = "kv_rate, policy KV once per layer"
+
+
 def cache_key(pcfg, dcfg, grid: Grid) -> str:
-  """What a calibration depends on: both configs, the grid, the backend and device kind, JAX."""
+  """What a calibration depends on: the model's form, both configs, the grid, the backend and
+  device kind, JAX."""
   d = jax.devices()[0]
   desc = json.dumps(
-    [repr(pcfg), repr(dcfg), repr(grid), d.platform, d.device_kind, jax.__version__, os.cpu_count()]
+    [
+      FORM,
+      repr(pcfg),
+      repr(dcfg),
+      repr(grid),
+      d.platform,
+      d.device_kind,
+      jax.__version__,
+      os.cpu_count(),
+    ]
   )
   return hashlib.sha1(desc.encode()).hexdigest()[:16]
 
