@@ -899,6 +899,12 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
     "docs/results/drift_longtail_pilot/results.json",
     lambda r, d: drift(r, d, "Drift on the long-tailed task: a one-seed pilot of A and C"),
   ),
+  (
+    "docs/results/drift_longtail_pilot2/results.json",
+    lambda r, d: drift(
+      r, d, "Drift on the long-tailed task: the pilot again with the seven-coefficient cost model"
+    ),
+  ),
   ("docs/results/bench_long/results.json", long),
   ("docs/results/long_run/results.json", long_run),
   ("docs/results/long_8k/results.json", long_run),
