@@ -12,7 +12,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specdraft.decode.sampling import Generation, Sampling, distribution, draw, take
+from specdraft.decode.sampling import (
+  Generation,
+  Sampling,
+  distribution,
+  draw_rows,
+  num_active,
+  split_rows,
+  take,
+)
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS, PAD
 
@@ -76,24 +84,19 @@ def init(params, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
   }
 
 
-def num_active(carry):
-  return jnp.sum(~carry["done"]).astype(jnp.int32)
-
-
 def run(params, carry, stop_below, *, spec: Spec) -> dict:
   """Steps until every row is done, N tokens are out, or no more than `stop_below` rows still
   generate (the engine then compacts them into a smaller batch)."""
   cfg, N, sm = spec.pcfg, spec.max_new_tokens, spec.sampling
 
-  def cond(c):
-    n = num_active(c)
-    return (c["step"] < N) & (n > 0) & (n > stop_below)
+  def cond(c):  # stop_below >= 0: some row is active
+    return (c["step"] < N) & (num_active(c) > stop_below)
 
   def body(c):
     step, done_B = c["step"], c["done"]
-    keys = jax.vmap(lambda k: jax.random.split(k, 2))(c["key"])
+    keys_B, sub_B = split_rows(c["key"], 2)
     _, logp_BV = distribution(c["last"], *sm)
-    token_B = jax.vmap(lambda k, lp: draw(k, lp, sm.temperature))(keys[:, 1], logp_BV)
+    token_B = draw_rows(sub_B, logp_BV, sm.temperature)
     logprob_B = take(logp_BV, token_B)
     logits_B1V, _, cache = pol.decode(params, cfg, c["cache"], token_B[:, None])
     st = dict(c["stats"])
@@ -104,7 +107,7 @@ def run(params, carry, stop_below, *, spec: Spec) -> dict:
       "step": step + 1,
       "cache": cache,
       "last": logits_B1V[:, 0],
-      "key": keys[:, 0],
+      "key": keys_B,
       "done": done_B | pol.is_stop(cfg, token_B),
       "tokens": c["tokens"].at[:, step].set(jnp.where(done_B, PAD, token_B)),
       "logprobs": c["logprobs"].at[:, step].set(jnp.where(done_B, 0.0, logprob_B)),

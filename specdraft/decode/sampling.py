@@ -70,6 +70,23 @@ def draw(key, logp_BV, temperature: float):
   return jax.random.categorical(key, logp_BV).astype(jnp.int32)
 
 
+def draw_rows(keys_B, logp_BV, temperature: float):
+  """One token per row, each from its own key (`draw`): a row's draws depend on its key alone,
+  not on the batch it decodes in."""
+  return jax.vmap(lambda k, lp: draw(k, lp, temperature))(keys_B, logp_BV)
+
+
+def split_rows(keys_B, n: int):
+  """Each row's key split in n: a list of n [B] key arrays."""
+  ks_Bn = jax.vmap(lambda k: jax.random.split(k, n))(keys_B)
+  return [ks_Bn[:, i] for i in range(n)]
+
+
+def num_active(carry):
+  """Rows of a decoding loop's carry still generating."""
+  return jnp.sum(~carry["done"]).astype(jnp.int32)
+
+
 def take(logp_BV, tokens_B):
   """log-probs of `tokens` from `distribution(...)[1]` (negative ids read entry 0)."""
   return jnp.take_along_axis(logp_BV, jnp.maximum(tokens_B, 0)[..., None], -1)[..., 0]

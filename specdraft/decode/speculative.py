@@ -34,7 +34,15 @@ import jax
 import jax.numpy as jnp
 
 from specdraft.decode.rejection import rejection_sample
-from specdraft.decode.sampling import Generation, Sampling, distribution, draw, take
+from specdraft.decode.sampling import (
+  Generation,
+  Sampling,
+  distribution,
+  draw_rows,
+  num_active,
+  split_rows,
+  take,
+)
 from specdraft.model import dflash, drafts, eagle3
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import PAD
@@ -157,10 +165,6 @@ def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> di
   return _prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
 
 
-def num_active(carry):
-  return jnp.sum(~carry["done"]).astype(jnp.int32)
-
-
 def run(
   params, dparams, carry, choice: Choice, stop_below, *, spec: Spec, sampler=rejection_sample
 ):
@@ -185,7 +189,7 @@ def run(
     st["num_draft_counts"] = st["num_draft_counts"].at[G].add(1)
     return {**c, "stats": st}
 
-  cond = lambda c: (num_active(c) > 0) & (num_active(c) > stop_below)
+  cond = lambda c: num_active(c) > stop_below  # stop_below >= 0: some row is active
   return jax.lax.while_loop(cond, body, carry)
 
 
@@ -197,17 +201,6 @@ def finish(carry, spec: Spec) -> Generation:
   tokens_BN = jnp.where(valid_BN, carry["out"][:, :N], PAD)
   logprobs_BN = jnp.where(valid_BN, carry["out_lp"][:, :N], 0.0)
   return Generation(tokens_BN, logprobs_BN, lengths_B, carry["stats"])
-
-
-def draw_rows(keys_B, logp_BV, temperature: float):
-  """One token per row, each from its own key (`sampling.draw`)."""
-  return jax.vmap(lambda k, lp: draw(k, lp, temperature))(keys_B, logp_BV)
-
-
-def split_rows(keys_B, n: int):
-  """Each row's key split in n: a list of n [B] key arrays."""
-  ks_Bn = jax.vmap(lambda k: jax.random.split(k, n))(keys_B)
-  return [ks_Bn[:, i] for i in range(n)]
 
 
 def _sample_rows(sampler, keys_B, draft_BG, q_probs_BGV, p_probs_BG1V):
