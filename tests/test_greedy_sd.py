@@ -304,3 +304,88 @@ def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
       num_draft=G,
     )
     np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
+
+
+def _scheduled(setup, schedule, *, window: int, record=None):
+  """Greedy rounds at the G of `schedule` in turn (repeated until every row is done) on an
+  adaptive carry, so G = 0 rounds are plain policy steps that leave an EAGLE-3 draft behind.
+  `record(carry)` sees the carry after every round. Returns (Generation, last carry, the G of
+  every round run)."""
+  from specdraft.decode.sampling import Sampling
+
+  pcfg, dcfg, params, dparams, prompts, lengths, _, _ = setup
+  spec = speculative.Spec(pcfg, dcfg, N, max(schedule), True, Sampling(0.0, 0, 1.0), window)
+  carry = jax.jit(lambda *a: speculative.init(*a, spec=spec))(
+    params, dparams, prompts, lengths, jax.random.key(0)
+  )
+  rounds = {
+    G: jax.jit(lambda c, G=G: speculative.one_round(params, dparams, c, G=G, spec=spec))
+    for G in set(schedule)
+  }
+  ran = []
+  while not bool(carry["done"].all()):
+    ran.append(schedule[len(ran) % len(schedule)])
+    carry = rounds[ran[-1]](carry)
+    if record:
+      record(carry)
+    assert len(ran) < 10 * N
+  return speculative.finish(carry, spec), carry, np.asarray(ran)
+
+
+# G = 0 streaks longer than the window (entries skipped), single drafting rounds between them
+_SCHEDULE = [0, 0, 0, 0, 0, 3, 1, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 3, 3]
+
+
+def test_any_schedule_of_g_keeps_greedy_ar_tokens(setup):
+  """Rounds at any G in any order give the AR tokens exactly, with G = 0 streaks longer than the
+  draft's catch-up window (EAGLE-3: every row's draft slots + skipped + pending = the policy's
+  length after every round, entries were skipped, and drafts after the streaks are accepted)."""
+  pcfg, dcfg, _, _, _, _, ar, _ = setup
+  skipped = []
+
+  def record(c):
+    if "pend_len" in c:
+      total = c["dcache"].lengths + c["skipped"] + c["pend_len"]
+      np.testing.assert_array_equal(np.asarray(total), np.asarray(c["pcache"].lengths))
+      skipped.append(int(c["skipped"].max()))
+
+  gen, _, ran = _scheduled(setup, _SCHEDULE, window=3, record=record)
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  st = jax.device_get(gen.stats)
+  assert (ran == 0).sum() > 5 and (ran > 0).sum() > 2, ran
+  assert st["accept_counts"][0] > 0, st
+  if not drafts.is_block(dcfg):
+    assert max(skipped) > 0, skipped  # the window was exceeded
+    # plain steps ran no draft pass: the prefill, each drafting round's G passes and at most one
+    # take-in before it
+    assert st["draft_passes"] <= 1 + ran.sum() + (ran > 0).sum(), (st["draft_passes"], ran)
+
+
+@pytest.mark.parametrize("setup", ["eagle3"], indirect=True)
+def test_plain_steps_leave_the_draft_as_drafting_rounds_would(setup):
+  """EAGLE-3 with a window no G = 0 streak exceeds: after plain steps and the draft's take-in, its
+  cache holds the same entries (feature, next token, position) as when every round drafts. With a
+  streak of 6 and a window of 3, the 3 oldest positions are left out and every later entry is
+  the drafting run's at its position (slot + 3)."""
+  _, lazy, _ = _scheduled(setup, [0, 0, 0, 2, 0, 1, 0, 0, 2], window=4)
+  _, eager, _ = _scheduled(setup, [2], window=4)
+  assert int(lazy["skipped"].max()) == 0
+  n = np.minimum(np.asarray(lazy["dcache"].lengths), np.asarray(eager["dcache"].lengths))
+  assert n.min() > 0
+  for b in range(len(n)):
+    for name in ("k", "v"):
+      a = np.asarray(getattr(lazy["dcache"], name)[b, : n[b]])
+      e = np.asarray(getattr(eager["dcache"], name)[b, : n[b]])
+      np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4 * np.abs(e).max())
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  _, holes, _ = _scheduled(setup, [0] * 6 + [2] * 20, window=3)
+  skipped = np.asarray(holes["skipped"])
+  assert (skipped == 3).sum() >= 3, skipped  # rows still generating after the streak
+  for b in np.flatnonzero(skipped == 3):
+    p, m = int(lengths[b]), min(int(holes["dcache"].lengths[b]), int(n[b]) - 3)
+    assert m > p, (p, m)
+    a = np.asarray(holes["dcache"].k[b, p:m])
+    e = np.asarray(eager["dcache"].k[b, p + 3 : m + 3])
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4 * np.abs(e).max())

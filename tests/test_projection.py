@@ -46,8 +46,9 @@ def test_by_hand_all_accepted(models):
 
 
 def test_nothing_accepted_drafts_nothing(config, models):
-  """With every rate 0 the engine's rule picks G = 0 at every bucket; SD then runs AR's steps,
-  each dearer by the draft's one-token catch-up pass only: speedup below 1 by that much."""
+  """With every rate 0 the engine's rule picks G = 0 at every bucket; SD then runs AR's steps
+  (an EAGLE-3 draft does not run in a plain step), over a cache longer by G_max + 2 = 7 entries
+  (5% here) only: a speedup within 2% below 1."""
   p = config.project
   model = cost.CostModel(projection.machine_for(p.hardware.h100_sxm, p.efficiency), *models)
   lengths = projection.lognormal_lengths(16, 40.0, 0.9, 128)
@@ -56,11 +57,10 @@ def test_nothing_accepted_drafts_nothing(config, models):
   overhead = 0.0
   for b, e in sim["by_bucket"].items():
     assert e["G"] == 0 and e["expected_tokens"] == 1.0 and e["sd_rounds"] == e["ar_steps"]
-    own = model.ar_step_seconds(b, cap) + model.draft_seconds(b, 1, cap)
-    assert e["round_seconds"] == pytest.approx(own, rel=1e-12)
+    assert e["round_seconds"] == pytest.approx(model.ar_step_seconds(b, cap), rel=1e-12)
     overhead += e["sd_rounds"] * (e["round_seconds"] - e["ar_step_seconds"])
   assert sim["sd_seconds"] - sim["ar_seconds"] == pytest.approx(overhead, rel=1e-9)
-  assert 0.9 < sim["speedup"] < 1.0
+  assert 0.98 < sim["speedup"] <= 1.0
 
 
 def test_buckets_shrink_as_rows_finish(models):

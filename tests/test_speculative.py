@@ -1,6 +1,7 @@
 """Speculative decoding: TTT alignment, train/inference consistency of the draft, and
 losslessness (exact enumeration, chi-square, greedy equality, end-to-end two-sample test)."""
 
+import functools
 import itertools
 
 import jax
@@ -438,6 +439,35 @@ def test_two_sample_test_has_power_against_a_broken_sampler(two_sample_setup):
     num_draft=2,
     sampler=broken_rejection_sample,
   )
+  assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6
+
+
+def test_plain_steps_then_drafting_sample_the_same_distribution(two_sample_setup):
+  """Adaptive G's rounds in a fixed order: two plain steps (G = 0, the EAGLE-3 draft left
+  behind, a window of 1 so one entry is skipped), then the draft's take-in and a G = 2 round:
+  the sampled 4-token completions follow the AR distribution (and the two-sample test has power
+  against the broken sampler in the same schedule)."""
+  pcfg, dcfg, params, dparams, prompts, lengths, _ = two_sample_setup
+  N = 4
+  ar = autoregressive.generate(
+    params, pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N, temperature=1.0
+  )
+  spec = speculative.Spec(pcfg, dcfg, N, 2, True, Sampling(1.0, 0, 1.0), window=1)
+
+  @functools.partial(jax.jit, static_argnames="sampler")
+  def scheduled(key, sampler):
+    c = speculative.init(params, dparams, prompts, lengths, key, spec=spec)
+    for G in (0, 0, 2):
+      c = speculative.one_round(params, dparams, c, G=G, spec=spec, sampler=sampler)
+    return c
+
+  c = scheduled(jax.random.key(1), rejection.rejection_sample)
+  assert bool(c["done"].all()) and float((c["skipped"] == 1).mean()) > 0.5  # some rows end early
+  gen = speculative.finish(c, spec)
+  st = jax.device_get(gen.stats)
+  assert 0.1 < st["accept_counts"][0] / st["reach_counts"][0] < 0.95
+  assert _two_sample_pvalue(ar.tokens, gen.tokens) > 1e-3
+  bad = speculative.finish(scheduled(jax.random.key(1), broken_rejection_sample), spec)
   assert _two_sample_pvalue(ar.tokens, bad.tokens) < 1e-6
 
 

@@ -16,9 +16,10 @@ cache: 1.14 GB a pass at 128 rows, 12 layers and a 100 MB cache), so its KV traf
 as L passes over the cache.
 
 A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the draft's passes
-(EAGLE-3: G - 1 single-token steps and a (G + 1)-token catch-up, G = 0: one single-token
-catch-up; a block draft: one block pass and the context write of the verified tokens, G = 0: the
-write only) plus the round's own work, round_s + rows * (G + 1) * V / sample_rate (the
+(EAGLE-3: G - 1 single-token steps and a (G + 1)-token catch-up, G = 0: none, the draft takes in
+the plain steps' entries with one window-wide pass when drafting resumes, not counted here; a
+block draft: one block pass and the context write of the verified tokens, G = 0: the write only)
+plus the round's own work, round_s + rows * (G + 1) * V / sample_rate (the
 distributions over the vocabulary, sampling, verification, writing out). An AR step is one policy
 pass over one token plus the same own work at G = 0.
 
@@ -172,7 +173,9 @@ class CostModel:
     t += self.machine.round_overhead(rows, G + 1, self.pcfg.vocab_size)
     if drafts.is_block(self.dcfg):
       return t + self.draft_seconds(rows, G + 1 if G else 0, capacity)
-    steps = self.draft_seconds(rows, 1, capacity) * max(G - 1, 0)
+    if G == 0:  # a plain step: the draft does not run (decode.speculative._plain_step)
+      return t
+    steps = self.draft_seconds(rows, 1, capacity) * (G - 1)
     return t + steps + self.draft_seconds(rows, G + 1, capacity)
 
   def round_seconds_all(self, rows: int, num_draft_max: int, capacity: int) -> np.ndarray:

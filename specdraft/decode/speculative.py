@@ -13,8 +13,11 @@ or bonus token c' (tau = a + 1 tokens per round). Both caches roll back by setti
 
 Speculation length: a fixed G every round, or (`schedule.adaptive`) a G in 0..G_max chosen before
 every round from a cost model of a round on this machine and the running per-position acceptance
-(`decode.cost`); G = 0 is a plain autoregressive step inside the same loop (the draft still takes
-in the verified token, so it can propose again in a later round). Every choice is lossless.
+(`decode.cost`); G = 0 is a plain autoregressive step inside the same loop, and the draft does
+not run in it: an EAGLE-3 draft keeps the policy's taps of the last W = `Spec.window` plain
+steps and takes them in with one W-wide pass when drafting resumes (entries older than that are
+skipped: the draft's cache leaves their positions out, its rotary positions stay the policy's);
+a block draft writes its context as before. Every choice is lossless.
 
 Every row carries its own PRNG key, split once per round whatever the batch: a row's tokens depend
 on its key and its own history only, so gathering the active rows into a smaller batch
@@ -114,6 +117,9 @@ class Spec(NamedTuple):
   num_draft: int  # G, or G_max when adaptive
   adaptive: bool
   sampling: Sampling
+  # EAGLE-3 under `adaptive`: the most recent plain-step entries the draft takes in when drafting
+  # resumes (older ones are skipped; its cache holds W more entries than the policy's)
+  window: int = 8
 
 
 class Choice(NamedTuple):
@@ -162,7 +168,24 @@ def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> di
         f"at most {spec.dcfg.num_proposals} tokens a round"
       )
     return _block_prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
-  return _prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
+  extra = spec.window if spec.adaptive else 0
+  carry = _prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm, extra=extra)
+  if spec.adaptive:
+    carry = {**carry, **_pending(spec, prompt_BS.shape[0], carry["h"].dtype)}
+  return carry
+
+
+def _pending(spec: Spec, B: int, dtype) -> dict:
+  """An EAGLE-3 draft's lag behind the policy under adaptive G: the taps and next tokens of the
+  last plain steps it has not taken in (`pend_*`, at most W a row, oldest first) and how many
+  positions its cache skips (`skipped`: an entry's position = its slot + skipped)."""
+  W, n = spec.window, len(spec.pcfg.taps)
+  return {
+    "pend_taps": jnp.zeros((B, W, n, spec.pcfg.d_model), dtype),
+    "pend_tokens": jnp.zeros((B, W), jnp.int32),
+    "pend_len": jnp.zeros((B,), jnp.int32),
+    "skipped": jnp.zeros((B,), jnp.int32),
+  }
 
 
 def run(
@@ -170,10 +193,8 @@ def run(
 ):
   """Rounds until every row is done or no more than `stop_below` rows still generate (the
   engine then compacts them into a smaller batch)."""
-  models = _Models(params, dparams, spec.pcfg, spec.dcfg)
-  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
-  one = _block_round if drafts.is_block(spec.dcfg) else _round
-  branch = lambda G: functools.partial(one, models, N=N, G=G, M=M, sm=sm, sampler=sampler)
+  branch = lambda G: functools.partial(one_round, params, dparams, G=G, spec=spec, sampler=sampler)
+  M = spec.num_draft
 
   def body(c):
     r, active = c["stats"]["rounds"], num_active(c)
@@ -191,6 +212,15 @@ def run(
 
   cond = lambda c: num_active(c) > stop_below  # stop_below >= 0: some row is active
   return jax.lax.while_loop(cond, body, carry)
+
+
+def one_round(params, dparams, carry, *, G: int, spec: Spec, sampler=rejection_sample) -> dict:
+  """One round at G (0 <= G <= G_max, static) on the loop's carry (`run` switches between these;
+  tests drive any schedule of G with it)."""
+  models = _Models(params, dparams, spec.pcfg, spec.dcfg)
+  one = _block_round if drafts.is_block(spec.dcfg) else _round
+  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
+  return one(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler)
 
 
 def finish(carry, spec: Spec) -> Generation:
@@ -220,8 +250,10 @@ class _Models:
   def __init__(self, params, dparams, pcfg, dcfg):
     self.params, self.dparams, self.pcfg, self.dcfg = params, dparams, pcfg, dcfg
 
-  def draft_step(self, dcache, feats_BTE, tokens_BT):
-    return eagle3.step(self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT)
+  def draft_step(self, dcache, feats_BTE, tokens_BT, skipped_B=None):
+    return eagle3.step(
+      self.dparams, self.dcfg, self.params["embed"], dcache, feats_BTE, tokens_BT, skipped_B
+    )
 
   def draft_prefill(self, dcache, feats_BTE, tokens_BT, lengths_B):
     return eagle3.prefill(
@@ -261,9 +293,12 @@ def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, 
   return taps, capacity, carry
 
 
-def _prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling) -> dict:
+def _prefill(
+  models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling, extra: int = 0
+) -> dict:
   """Policy over the prompt and its first token; the draft over the prompt, shifted by one
-  (entry t pairs the feature of token t with token t+1); the loop's initial carry."""
+  (entry t pairs the feature of token t with token t+1); the loop's initial carry. The draft's
+  cache holds `extra` entries more than the policy's (room for a catch-up window)."""
   taps, capacity, carry = _policy_prefill(
     models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm
   )
@@ -272,7 +307,7 @@ def _prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: 
   last = prompt_lengths_B - 1
   shifted_BS = jnp.concatenate([prompt_BS[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
   d_tokens_BS = jnp.where(jnp.arange(S)[None] == last[:, None], carry["c"][:, None], shifted_BS)
-  dcache = eagle3.init_cache(models.dcfg, B, capacity)
+  dcache = eagle3.init_cache(models.dcfg, B, capacity + extra)
   d_logits_BSV, d_hidden_BSE, dcache = models.draft_prefill(
     dcache, models.fuse(taps.layers), d_tokens_BS, prompt_lengths_B
   )
@@ -303,7 +338,9 @@ def initial_stats(B: int, M: int, N: int, *, draft_passes: int) -> dict:
   }
 
 
-def _draft_tokens(models: _Models, keys_B, q_logits_BV, h_BE, dcache, *, G, sm: Sampling):
+def _draft_tokens(
+  models: _Models, keys_B, q_logits_BV, h_BE, dcache, skipped_B, *, G, sm: Sampling
+):
   """G proposals: the first from the carried logits, then G-1 single-entry draft steps (the
   draft samples under the same processing as the target; any draft distribution is exact, a
   close one is accepted more often)."""
@@ -318,7 +355,9 @@ def _draft_tokens(models: _Models, keys_B, q_logits_BV, h_BE, dcache, *, G, sm: 
     tokens.append(token_B)
     probs.append(q_BV)
     if i < G - 1:
-      logits_B1V, h_B1E, dcache = models.draft_step(dcache, h_BE[:, None], token_B[:, None])
+      logits_B1V, h_B1E, dcache = models.draft_step(
+        dcache, h_BE[:, None], token_B[:, None], skipped_B
+      )
       q_logits_BV, h_BE = logits_B1V[:, 0], h_B1E[:, 0]
   return jnp.stack(tokens, 1), jnp.stack(probs, 1), dcache
 
@@ -377,15 +416,21 @@ def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, N, G, sm: 
 
 
 def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
-  """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up
-  (G = 0: a plain policy step; the draft still takes in the emitted token)."""
+  """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up.
+  G = 0: a plain policy step; under adaptive G (the carry holds `pend_*`) the draft does not run
+  (`_plain_step`), otherwise it takes in the emitted token."""
+  if G == 0 and "pend_len" in carry:
+    return _plain_step(models, carry, N=N, M=M, sm=sm, sampler=sampler)
+  if "pend_len" in carry:
+    carry = _take_in_pending(models, carry)
+  skipped_B = carry.get("skipped")
   keys_B, k_draft, k_rej = split_rows(carry["key"], 3)
   pcache, c_B = carry["pcache"], carry["c"]
   n_B = pcache.lengths
   active_B = ~carry["done"]
   rows = jnp.arange(c_B.shape[0])
   draft_BG, q_probs_BGV, dcache = _draft_tokens(
-    models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], G=G, sm=sm
+    models, k_draft, carry["q_logits"], carry["h"], carry["dcache"], skipped_B, G=G, sm=sm
   )
 
   tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
@@ -395,14 +440,16 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
   new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
+  slot = (lambda n: n) if skipped_B is None else (lambda n: n - skipped_B)
   catch_up_BG1 = jnp.where(jnp.arange(G + 1)[None] <= a_B[:, None], tokens_BG1, 0)
   d_logits_BG1V, d_hidden_BG1E, dcache = models.draft_step(
-    dcache._replace(lengths=n_B), models.fuse(vtaps.layers), catch_up_BG1
+    dcache._replace(lengths=slot(n_B)), models.fuse(vtaps.layers), catch_up_BG1, skipped_B
   )
   return {
+    **carry,
     "key": keys_B,
     "pcache": pcache._replace(lengths=new_n_B),
-    "dcache": dcache._replace(lengths=new_n_B),
+    "dcache": dcache._replace(lengths=slot(new_n_B)),
     "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
     "q_logits": d_logits_BG1V[rows, a_B],
     "h": d_hidden_BG1E[rows, a_B],
@@ -412,6 +459,79 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
     "done": done_B,
     "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=max(G, 1)),
   }
+
+
+def _plain_step(models: _Models, carry, *, N, M, sm: Sampling, sampler):
+  """A G = 0 round under adaptive G: one policy pass over the pending token c, no draft pass.
+  The policy's taps at c and the token it emits join the draft's pending entries (the oldest
+  one dropped, and skipped, once W are pending)."""
+  keys_B, _, k_rej = split_rows(carry["key"], 3)
+  B = carry["c"].shape[0]
+  no_draft = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, models.pcfg.vocab_size))
+  tokens_B1, a_B, vtaps, pcache, emitted = _verify(
+    models, carry, k_rej, *no_draft, N=N, G=0, sm=sm, sampler=sampler
+  )
+  out, out_lp, out_len_B, done_B = emitted
+  active_B = ~carry["done"]
+  W = carry["pend_tokens"].shape[1]
+  pend_len_B = carry["pend_len"]
+  drop_B = active_B & (pend_len_B >= W)
+  rows = jnp.arange(B)
+  at_B = jnp.minimum(pend_len_B, W - 1)
+
+  def append(buf, new):  # drop the oldest entry where full, write the new one after the rest
+    sel = drop_B.reshape((B,) + (1,) * (buf.ndim - 1))
+    buf = jnp.where(sel, jnp.roll(buf, -1, axis=1), buf)
+    return buf.at[rows, at_B].set(jnp.where(active_B.reshape(sel.shape[:-1]), new, buf[rows, at_B]))
+
+  taps_BNE = jnp.moveaxis(vtaps.layers[:, :, 0], 0, 1).astype(carry["pend_taps"].dtype)
+  new_B = tokens_B1[:, 0]
+  return {
+    **carry,
+    "key": keys_B,
+    "pcache": pcache._replace(lengths=jnp.where(active_B, pcache.lengths, carry["pcache"].lengths)),
+    "c": jnp.where(active_B, new_B, carry["c"]),
+    "pend_taps": append(carry["pend_taps"], taps_BNE),
+    "pend_tokens": append(carry["pend_tokens"], new_B),
+    "pend_len": jnp.where(active_B, jnp.minimum(pend_len_B + 1, W), pend_len_B),
+    "skipped": carry["skipped"] + drop_B,
+    "out": out,
+    "out_lp": out_lp,
+    "out_len": out_len_B,
+    "done": done_B,
+    "stats": _count(carry["stats"], active_B, a_B, G=0, M=M, draft_passes=0),
+  }
+
+
+def _take_in_pending(models: _Models, carry):
+  """Before a drafting round: if any row has pending entries, the draft takes them in with one
+  W-wide pass (slots lengths.., positions shifted by `skipped`) and its next proposal comes from
+  the last of them; otherwise nothing runs."""
+
+  def take_in(c):
+    P_B, dcache = c["pend_len"], c["dcache"]
+    rows = jnp.arange(P_B.shape[0])
+    feats_BWE = models.fuse(jnp.moveaxis(c["pend_taps"], 2, 0))
+    h_BWE, dc = eagle3.step_hidden(
+      models.dparams, models.dcfg, models.params["embed"], dcache, feats_BWE, c["pend_tokens"],
+      c["skipped"],
+    )  # fmt: skip
+    h_BE = h_BWE[rows, jnp.maximum(P_B - 1, 0)]
+    has = (P_B > 0)[:, None]
+    st = dict(c["stats"])
+    st["draft_passes"] += 1
+    return {
+      **c,
+      "dcache": dc._replace(lengths=dcache.lengths + P_B),
+      "q_logits": jnp.where(
+        has, eagle3.logits_of(models.dparams, h_BE, models.dcfg), c["q_logits"]
+      ),
+      "h": jnp.where(has, h_BE.astype(c["h"].dtype), c["h"]),
+      "pend_len": jnp.zeros_like(P_B),
+      "stats": st,
+    }
+
+  return jax.lax.cond(jnp.any(carry["pend_len"] > 0), take_in, lambda c: c, carry)
 
 
 # ----------------------------------------------------------------------------- block drafts

@@ -552,18 +552,31 @@ def prefill(
   return logits_of(dp, h, cfg), h, DraftCache(ck, cv, lengths_B.astype(jnp.int32))
 
 
-def step(dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT):
-  """Appends T draft entries (feature, next token) at lengths..lengths+T-1 and runs the layer.
+def step_hidden(
+  dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT, skipped_B=None
+):
+  """Appends T draft entries (feature, next token) at cache slots lengths..lengths+T-1 and runs
+  the layer; returns (hidden_BTE, cache with lengths advanced by T).
 
-  Returns (logits_BTV, hidden_BTE, cache with lengths advanced by T).
-  """
+  An entry's slot and its position differ by `skipped_B` (default 0): the positions whose entries
+  were never written (a decode that ran plain policy steps for a while and kept only the last
+  few for the draft, `decode.speculative`). Attention runs over slots (every written entry up to
+  the query's own), rotary embeddings over positions = slots + skipped."""
   T = tokens_BT.shape[1]
   C = cache.k.shape[1]
-  positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+  positions = slots if skipped_B is None else slots + skipped_B[:, None]
   q, k, v = _qkv(dp, embed_table, feat_BTE, tokens_BT, positions, cfg)
   ck = pol._write_rows(cache.k, k, cache.lengths)
   cv = pol._write_rows(cache.v, v, cache.lengths)
-  mask = jnp.arange(C)[None, None, :] <= positions[:, :, None]
+  mask = jnp.arange(C)[None, None, :] <= slots[:, :, None]
   o, _ = reference.masked_attention(q, ck, cv, mask)
-  h = _finish(dp, feat_BTE, o, cfg)
-  return logits_of(dp, h, cfg), h, DraftCache(ck, cv, cache.lengths + T)
+  return _finish(dp, feat_BTE, o, cfg), DraftCache(ck, cv, cache.lengths + T)
+
+
+def step(
+  dp: Params, cfg: DraftConfig, embed_table, cache: DraftCache, feat_BTE, tokens_BT, skipped_B=None
+):
+  """`step_hidden` and the draft's logits at every new entry: (logits_BTV, hidden_BTE, cache)."""
+  h, cache = step_hidden(dp, cfg, embed_table, cache, feat_BTE, tokens_BT, skipped_B)
+  return logits_of(dp, h, cfg), h, cache
