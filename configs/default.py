@@ -232,7 +232,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # before every round from a cost model of a round calibrated on this machine (decode/cost.py,
   # cached under the workdir) and the running per-position acceptance, which starts from
   # prior_rate at prior_weight pseudo rounds and carries from rollout to rollout with weight
-  # prior_keep. compact: rollouts gather their unfinished rows into the next power-of-two batch
+  # prior_keep; in a round at G = 0 the draft does not run, and when drafting resumes it takes in
+  # the last catch_up_window plain steps (older ones it skips). compact: rollouts gather their unfinished rows into the next power-of-two batch
   # once no more than that many still generate, down to min_rows (decode/engine.py; AR rollouts
   # too; each bucket is a compile: 8 s for a fixed G and 26 s for auto's 6 rounds at 64 rows here).
   c.decode = ml_collections.ConfigDict(
@@ -245,6 +246,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prior_rate=0.6,
       prior_weight=4.0,
       prior_keep=0.5,
+      catch_up_window=8,
     )
   )
   c.eval = ml_collections.ConfigDict(

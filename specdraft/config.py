@@ -175,6 +175,12 @@ def _validate_decoding(config) -> None:
     _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
   if dec.get("speculation", "fixed") not in SPECULATION:
     _fail("decode.speculation", dec.speculation, f"expected one of {SPECULATION}")
+  if dec.get("catch_up_window", 8) < 1:
+    _fail(
+      "decode.catch_up_window",
+      dec.catch_up_window,
+      "must be >= 1 (plain-step entries the draft takes in when drafting resumes)",
+    )
   if dec.get("min_rows", 1) < 1:
     _fail("decode.min_rows", dec.min_rows, "must be >= 1 (rows of the smallest compacted batch)")
   if not 0.0 <= dec.get("prior_rate", 0.6) <= 1.0:

@@ -175,6 +175,7 @@ def test_buckets_by_hand():
   [
     ("speculation", "sometimes", "decode.speculation"),
     ("min_rows", 0, "decode.min_rows"),
+    ("catch_up_window", 0, "decode.catch_up_window"),
     ("prior_rate", 1.5, "decode.prior_rate"),
     ("prior_keep", 2.0, "prior_keep"),
   ],

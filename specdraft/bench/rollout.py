@@ -232,7 +232,8 @@ def run_adaptive(config, workdir: str) -> dict:
   model, record = cost.calibrate(
     params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost")
   )
-  kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows)
+  window = config.decode.get("catch_up_window", 8)
+  kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows, window=window)
   rows = []
   for B in b.batch_sizes:
     exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(B)]

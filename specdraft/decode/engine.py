@@ -74,13 +74,16 @@ def generate(
   prior: Acceptance | None = None,
   compact: bool = True,
   min_rows: int = 1,
+  window: int = 8,
   rows: Rows | None = None,
   sampler=rejection_sample,
 ) -> Generation:
   """SD (`num_draft` >= 1: G, or G_max when `adaptive`) or AR (`num_draft` = 0) generation of the
   same output as `speculative.generate` / `autoregressive.generate`, with finished rows compacted
   away (`compact`; the smallest bucket holds `min_rows` rows, or one per shard of `rows`). Runs on
-  the host: one compiled stage per bucket, each a device loop."""
+  the host: one compiled stage per bucket, each a device loop. `window`: with `adaptive`, the
+  most recent plain steps (G = 0) an EAGLE-3 draft takes in when drafting resumes
+  (`speculative.Spec.window`)."""
   B = int(prompt_BS.shape[0])
   N = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
@@ -90,7 +93,9 @@ def generate(
   else:
     if adaptive and cost is None:
       raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
-    spec = speculative.Spec(pcfg, dcfg, N, num_draft, adaptive, sm)
+    if window < 1:
+      raise ValueError(f"window={window}: the draft's catch-up window must be >= 1 entries")
+    spec = speculative.Spec(pcfg, dcfg, N, num_draft, adaptive, sm, window)
     prior = prior if prior is not None else Acceptance.prior(num_draft)
     capacity = int(prompt_BS.shape[1]) + N + num_draft + 2
 

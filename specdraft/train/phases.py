@@ -561,6 +561,7 @@ def _rollout_step(ctx: Context):
     adaptive=auto,
     compact=c.decode.compact,
     min_rows=c.decode.min_rows,
+    window=c.decode.get("catch_up_window", 8),
     rows=engine.Rows(ctx.mesh, ctx.rows_sh1.spec[0]) if ctx.mesh.size > 1 else None,
   )
 
