@@ -237,6 +237,30 @@ def test_compacted_ar_keeps_greedy_and_sampled_tokens(policy_setup):
   assert len(set(np.asarray(a.lengths).tolist())) > 1  # rows ended at different steps
 
 
+def test_every_stage_compiles_what_any_later_call_runs(policy_setup):
+  """`every_stage` (a benchmark's warm-up) runs and compiles every bucket's stage, with the same
+  output; later calls with other keys compile nothing. (Two new tokens: every row finishes in
+  the first stage, so a plain call compiles no later stage.)"""
+  from specdraft.decode import engine
+
+  pcfg, params, prompts, lengths, ar = policy_setup
+  kw = dict(max_new_tokens=2, num_draft=0, compact=True, min_rows=1)  # buckets 12, 8, .., 1
+  run = lambda key, t, every: engine.generate(
+    params, None, pcfg, None, prompts, lengths, key, temperature=t, every_stage=every, **kw
+  )
+  stages = engine._next_stage._cache_size()
+  plain = run(jax.random.key(0), 0.0, False)
+  assert engine._next_stage._cache_size() == stages
+  warm = run(jax.random.key(0), 0.0, True)
+  assert engine._next_stage._cache_size() - stages == len(engine.buckets(len(lengths), 1)) - 1
+  np.testing.assert_array_equal(np.asarray(warm.tokens), np.asarray(plain.tokens))
+  np.testing.assert_array_equal(np.asarray(warm.tokens), np.asarray(ar.tokens)[:, :2])
+  before = engine._next_stage._cache_size()
+  for seed in range(3):
+    run(jax.random.key(seed), 0.0, False)
+  assert engine._next_stage._cache_size() == before
+
+
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_compaction_and_adaptive_g_keep_greedy_ar_tokens(setup, mode):
   """Greedy decoding through the engine (finished rows compacted into power-of-two buckets; with

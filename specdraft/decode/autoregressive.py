@@ -108,7 +108,7 @@ def run(params, carry, stop_below, *, spec: Spec) -> dict:
       "cache": cache,
       "last": logits_B1V[:, 0],
       "key": keys_B,
-      "done": done_B | pol.is_stop(cfg, token_B),
+      "done": done_B | pol.is_stop(cfg, token_B) | (step + 1 >= N),  # N tokens out: done too
       "tokens": c["tokens"].at[:, step].set(jnp.where(done_B, PAD, token_B)),
       "logprobs": c["logprobs"].at[:, step].set(jnp.where(done_B, 0.0, logprob_B)),
       "stats": st,

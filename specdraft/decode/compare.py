@@ -169,14 +169,19 @@ def compare_drafts(
   }
 
 
-def time_side_by_side(run: dict, *, temperature: float, repeats: int, seed: int = 0):
+def time_side_by_side(
+  run: dict, *, temperature: float, repeats: int, seed: int = 0, warm: dict | None = None
+):
   """Calls every generator of `run` ({name: (key, temperature) -> Generation}) once first
-  (compile + one run: `first_call_s`, never timed), then `repeats` times in turn with the same
-  key per repeat, so slow phases of a shared machine hit all of them.
+  (compile + one run: `first_call_s`, never timed; `warm[name]` instead where given, e.g. an
+  engine generator that compiles every bucket's stage), then `repeats` times in turn with the
+  same key per repeat, so slow phases of a shared machine hit all of them.
 
   Returns (first_call_s {name: s}, samples {name: [decoding_figures + tokens_per_s per repeat]})."""
+  warm = warm or {}
   first_call_s = {
-    name: _seconds(fn, jax.random.key(seed), temperature)[0] for name, fn in run.items()
+    name: _seconds(warm.get(name, fn), jax.random.key(seed), temperature)[0]
+    for name, fn in run.items()
   }
   samples = {name: [] for name in run}
   for r in range(repeats):
