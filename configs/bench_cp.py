@@ -19,30 +19,35 @@ def _goals(cases, speed_goal: bool):
     name = f"{case['branch']}_W{case['W']}_K{case['kv_heads']}"
     g[f"{name}_ring_near_floor"] = dict(
       metric=f"summary.{name}.ring_peak_over_floor_max",
+      fixed="2026-11-30",
       op="<=",
       target=2.5,
       what=f"{name}: ring peak / floor, worst cp",
     )
     g[f"{name}_ring_flat"] = dict(
       metric=f"summary.{name}.ring_flatness",
+      fixed="2026-11-30",
       op="<=",
       target=1.1,
       what=f"{name}: ring peak, largest cp / smallest cp > 1 (S/cp fixed)",
     )
   g["mha_ring_below_allgather"] = dict(
     metric="summary.ttt_W7_K32.allgather_over_ring_min_cp_ge_4",
+    fixed="2026-11-30",
     op=">",
     target=1.0,
     what="MHA (K = H): all-gather / ring peak at every cp >= 4",
   )
   g["zigzag_balanced_whole_row"] = dict(
     metric="summary.work.whole_row_document_zigzag_max_over_mean",
+    fixed="2026-11-30",
     op="<=",
     target=1.05,
     what="zigzag per-rank work max/mean, one causal document over the row",
   )
   g["zigzag_balanced_packed"] = dict(
     metric="summary.work.packed_zigzag_max_over_mean",
+    fixed="2026-11-30",
     op="<=",
     target=1.05,
     what="zigzag per-rank work max/mean, packed rows (worst seed)",
@@ -50,12 +55,14 @@ def _goals(cases, speed_goal: bool):
   # added with the per-document zigzag layout (fixed before its first run)
   g["document_zigzag_balanced_packed"] = dict(
     metric="summary.work.packed_document_max_over_mean",
+    fixed="2026-11-30",
     op="<=",
     target=1.05,
     what="per-document zigzag per-rank work max/mean, packed rows (worst seed)",
   )
   g["contiguous_visibly_worse_packed"] = dict(
     metric="summary.work.packed_contiguous_max_over_mean",
+    fixed="2026-11-30",
     op=">=",
     target=1.25,
     what="contiguous per-rank work max/mean, packed rows (worst seed): visibly unbalanced",
@@ -63,6 +70,7 @@ def _goals(cases, speed_goal: bool):
   if speed_goal:
     g["ring_faster_than_allgather"] = dict(
       metric="summary.speed.ring_over_allgather",
+      fixed="2026-11-30",
       op="<=",
       target=0.7,
       what="fwd+bwd time, ring / all-gather",

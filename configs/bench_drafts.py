@@ -47,24 +47,28 @@ def get_config(arg: str | None = None):
   c.bench.goals = dict(
     dflash_tau=dict(
       metric="all_batches.dflash_over_eagle3_tau",
+      fixed="2026-12-01",
       op=">=",
       target=1.0,
       what=f"DFlash tau / EAGLE-3 tau at G={G}, T=1 (mean over batch sizes)",
     ),
     dflash_speedup=dict(
       metric="all_batches.dflash_over_eagle3_speedup_smallest_batch",
+      fixed="2026-12-01",
       op=">=",
       target=1.0,
       what="DFlash's SD/AR speedup / EAGLE-3's at the smallest batch",
     ),
     markov_head=dict(
       metric="all_batches.dspark_over_dflash_tau",
+      fixed="2026-12-01",
       op=">",
       target=1.0,
       what="DSpark tau / DFlash tau (the Markov head raises tau at the same proposals)",
     ),
     greedy_equal=dict(
       metric="all_batches.greedy_equal",
+      fixed="2026-12-01",
       op="==",
       target=True,
       what="greedy SD == greedy AR on every row, for every draft and batch size",
@@ -74,6 +78,7 @@ def get_config(arg: str | None = None):
     del c.bench.goals["dflash_tau"], c.bench.goals["dflash_speedup"]
     c.bench.goals["markov_head_isolated"] = dict(
       metric="all_batches.dspark_over_no_markov_tau",
+      fixed="2026-12-01",
       op=">",
       target=1.0,
       what="DSpark tau / DSpark-without-its-Markov-head tau (same backbone, same proposals)",

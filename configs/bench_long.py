@@ -64,24 +64,28 @@ def get_config(arg: str | None = None):
   c.bench_long.goals = dict(
     temp_flat_from_cp2=dict(
       metric="summary.temp_max_over_min_cp_ge_2",
+      fixed="2026-11-30",
       op="<=",
       target=1.1,
       what="temp bytes, max / min over cp = 2..8 (S/cp fixed)",
     ),
     temp_near_one_device=dict(
       metric="summary.temp_max_cp_ge_2_over_cp1",
+      fixed="2026-11-30",
       op="<=",
       target=1.25,
       what="temp bytes, worst cp >= 2 / cp = 1 (S/cp fixed)",
     ),
     arguments_constant=dict(
       metric="summary.argument_bytes_max_over_min",
+      fixed="2026-11-30",
       op="<=",
       target=1.01,
       what="argument bytes (parameters + optimizer state), max / min over cp",
     ),
     far_below_dense=dict(
       metric="summary.dense_over_ring_temp_min",
+      fixed="2026-11-30",
       op=">=",
       target=10.0,
       what="dense step temp / ring step temp at the same S (smallest over S)",

@@ -54,24 +54,28 @@ def goals(batch_sizes, num_draft: int, temperature: float) -> dict:
   return dict(
     tau=dict(
       metric="all_batches.tau_min",
+      fixed="2026-11-30",
       op=">=",
       target=3.5,
       what=f"tau at G={num_draft}, T={temperature:g} (lowest over batch sizes)",
     ),
     greedy_equal=dict(
       metric="all_batches.greedy_equal",
+      fixed="2026-11-30",
       op="==",
       target=True,
       what="greedy SD tokens == greedy AR tokens on every row, exactly (every batch size)",
     ),
     speedup_smallest_batch=dict(
       metric=f"by_batch.{small}.speedup",
+      fixed="2026-11-30",
       op=">=",
       target=2.0,
       what=f"SD/AR tokens per second at batch {small}",
     ),
     speedup_largest_batch=dict(
       metric=f"by_batch.{large}.speedup",
+      fixed="2026-11-30",
       op=">",
       target=1.0,
       what=f"SD/AR tokens per second at batch {large}",
@@ -95,6 +99,7 @@ def sweep_config(smoke: bool = False):
   c.bench.goals = dict(
     best_speedup=dict(
       metric="sweep.best_speedup",
+      fixed="2026-12-01",
       op=">=",
       target=1.5,
       what=f"SD/AR tokens per second at the best G, batch {c.eval.batch_size}, "
@@ -102,6 +107,7 @@ def sweep_config(smoke: bool = False):
     ),
     greedy_equal=dict(
       metric="greedy_equal",
+      fixed="2026-11-30",
       op="==",
       target=True,
       what="greedy SD tokens == greedy AR tokens on every row, exactly (at the best G)",

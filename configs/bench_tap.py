@@ -45,30 +45,35 @@ def get_config(arg: str | None = None):
   c.bench_tap.goals = dict(
     overhead_worst_case=dict(
       metric="overhead_worst_case",
+      fixed="2026-11-30",
       op="<=",
       target=1.03,
       what="direct/off step time, worst case (max over cases of the ratio of medians)",
     ),
     overhead_pooled=dict(
       metric="overhead_pooled.median",
+      fixed="2026-11-30",
       op="<=",
       target=1.03,
       what="direct/off step time, pooled paired median over every case and round",
     ),
     bulk_bytes_equal_tapped=dict(
       metric="bulk_bytes_equal_tapped",
+      fixed="2026-11-29",
       op="==",
       target=True,
       what="bulk mode's wire bytes == tapped bytes (every case)",
     ),
     taps_bit_exact=dict(
       metric="taps_bit_exact",
+      fixed="2026-11-29",
       op="==",
       target=True,
       what="received taps bit-exact (sender and unpipelined)",
     ),
     outputs_unchanged=dict(
       metric="outputs_unchanged",
+      fixed="2026-11-29",
       op="==",
       target=True,
       what="policy update and RL metrics identical with the channel on vs off",

@@ -81,6 +81,7 @@ def get_config(arg: str | None = None):
     goals=dict(
       wall_time=dict(
         metric="summary.wall_seconds",
+        fixed="2026-12-01",
         op="<=",
         target=600.0,
         what="seconds to plan every mesh (compile-only, 64 simulated devices)",
@@ -110,18 +111,21 @@ def get_config(arg: str | None = None):
   c.compare.goals = dict(
     parity=dict(
       metric="summary.parity_failures",
+      fixed="2026-12-01",
       op="==",
       target=0,
       what="layouts whose co-training step differs from single beyond parity_rtol",
     ),
     single_moves_nothing=dict(
       metric="summary.single_collective_bytes",
+      fixed="2026-12-01",
       op="==",
       target=0.0,
       what="collective bytes of the single-device step",
     ),
     wall_time=dict(
       metric="summary.wall_seconds",
+      fixed="2026-12-01",
       op="<=",
       target=1200.0,
       what="seconds for the whole comparison (compile, parity, timing)",

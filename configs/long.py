@@ -58,23 +58,30 @@ def _goals(arg):
   g = dict(
     runs_at_length=dict(
       metric="measured.tokens_per_row",
+      fixed="2026-11-30",
       op=">=",
       target=8192 if arg.long else 128 if arg.smoke else 1024,
       what="tokens per row",
     ),
     losses_finite=dict(
-      metric="measured.losses_finite", op="==", target=True, what="every RL loss finite"
+      fixed="2026-11-30",
+      metric="measured.losses_finite",
+      op="==",
+      target=True,
+      what="every RL loss finite",
     ),
   )
   if not arg.long and not arg.smoke:  # a learning run: the reward rises, the draft keeps up
     g["reward_rises"] = dict(
       metric="measured.reward_gain",
+      fixed="2026-11-30",
       op=">",
       target=0.0,
       what="RL reward, last fifth of the steps minus the first fifth",
     )
     g["accept_len_above_2"] = dict(
       metric="measured.accept_len_mean",
+      fixed="2026-11-30",
       op=">",
       target=2.0,
       what="accepted length tau, mean over the RL steps",

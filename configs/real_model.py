@@ -71,24 +71,28 @@ def get_config(arg: str | None = None):
   c.real.goals = dict(
     tau=dict(
       metric="by_point.T0_B1.tau",
+      fixed="2026-12-02",
       op=">=",
       target=2.0,
       what=f"tau at G={c.decode.num_draft}, T=0, batch 1 (held-out prompts)",
     ),
     speedup=dict(
       metric="by_point.T0_B1.speedup",
+      fixed="2026-12-02",
       op=">",
       target=1.0,
       what="SD/AR tokens per second at T=0, batch 1",
     ),
     logits=dict(
       metric="parity.max_rel_logit_diff",
+      fixed="2026-12-02",
       op="<=",
       target=1e-4,
       what="our policy's logits against transformers' GGUF loader, max |diff| / max |logit|",
     ),
     greedy=dict(
       metric="parity.greedy_equal",
+      fixed="2026-12-02",
       op="==",
       target=True,
       what="greedy AR completions equal transformers' generate, token for token",
@@ -97,6 +101,7 @@ def get_config(arg: str | None = None):
     # timing) in about 30 minutes on 2 cores
     budget=dict(
       metric="total_seconds",
+      fixed="2026-12-02",
       op="<=",
       target=1800.0,
       what="seconds for the whole experiment, 2 CPU cores",

@@ -171,15 +171,27 @@ def _lookup(measured: Mapping[str, Any], key: str):
   return value
 
 
-def evaluate_goals(goals: Mapping[str, Mapping[str, Any]], measured: Mapping[str, Any]) -> dict:
-  """Each goal (as fixed in the config) with its measured value and `met` (bool)."""
+def evaluate_goals(
+  goals: Mapping[str, Mapping[str, Any]], measured: Mapping[str, Any], *, missing_ok: bool = False
+) -> dict:
+  """Each goal (as fixed in the config) with its measured value and `met` (bool).
+
+  A metric absent from `measured` is an error (a misspelt goal), unless the goal says what it
+  `needs` (an optional arm or case a run may leave out) or `missing_ok`: then the goal is
+  reported with value None and `met` None (not measured), never as met or missed."""
   out = {}
   for name, goal in goals.items():
     goal = dict(goal)
     op = goal.get("op")
     if op not in OPS:
       raise ValueError(f"goal {name!r}: op={op!r} is invalid; valid ops: {sorted(OPS)}")
-    value = _lookup(measured, goal["metric"])
+    try:
+      value = _lookup(measured, goal["metric"])
+    except KeyError:
+      if not (missing_ok or goal.get("needs")):
+        raise
+      out[name] = {**goal, "value": None, "met": None}
+      continue
     met = value is not None and not (isinstance(value, float) and math.isnan(value))
     met = bool(met and OPS[op](value, goal["target"]))
     out[name] = {**goal, "value": value, "met": met}
@@ -260,5 +272,6 @@ def goals_table(goals: Mapping[str, Mapping[str, Any]]) -> str:
     v = g["value"]
     v = f"{v:.4g}" if isinstance(v, float) else v
     what = g.get("what", name)
-    lines.append(f"| {what} | {g['op']} {g['target']} | {v} | {'yes' if g['met'] else 'NO'} |")
+    met = "not measured" if g["met"] is None else "yes" if g["met"] else "NO"
+    lines.append(f"| {what} | {g['op']} {g['target']} | {v} | {met} |")
   return "\n".join(lines)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from specdraft.bench import goals as goal_lib
+
 BEGIN = "<!-- results:begin"
 END = "<!-- results:end -->"
 
@@ -76,20 +78,34 @@ def _target(t) -> str:
   return f"{t:g}" if isinstance(t, float) else _value(t)
 
 
-def goals(results: dict) -> str:
-  """The goals table and one sentence saying which are met and which are missed."""
-  gs = results.get("goals") or {}
+def goals(results: dict, fixed_now: dict | None = None) -> str:
+  """The goals table and one sentence saying which are met, missed and not measured. `fixed_now`
+  (the config's goals as the code defines them now, `bench.goals`): those the file does not
+  record are evaluated on its figures and marked as judged after the run."""
+  gs = goal_lib.judged(results, fixed_now or {})
   if not gs:
     return ""
+
+  def when(g):
+    fixed = g.get("fixed", "before the run")
+    return f"{fixed}, judged after the run" if g.get("evaluated_after_run") else fixed
+
+  def met(g):
+    return "not measured" if g["met"] is None else _yes(g["met"])
+
   rows = [
-    [g.get("what", name), f"{g['op']} {_target(g['target'])}", _value(g["value"]), _yes(g["met"])]
+    [g.get("what", name), f"{g['op']} {_target(g['target'])}", _value(g["value"]), met(g), when(g)]
     for name, g in gs.items()
   ]
-  met = [name for name, g in gs.items() if g["met"]]
-  missed = [name for name, g in gs.items() if not g["met"]]
-  sentence = f"Goals (fixed in the config before the run): {len(met)} of {len(gs)} met"
-  sentence += f"; missed: {', '.join(f'`{m}`' for m in missed)}." if missed else " (all of them)."
-  return sentence + "\n\n" + _table(["goal", "target", "measured", "met"], rows)
+  met_ = [name for name, g in gs.items() if g["met"]]
+  missed = [name for name, g in gs.items() if g["met"] is False]
+  absent = [name for name, g in gs.items() if g["met"] is None]
+  sentence = f"Goals (each fixed in the config on the date shown): {len(met_)} of {len(gs)} met"
+  sentence += f"; missed: {', '.join(f'`{m}`' for m in missed)}" if missed else ""
+  sentence += f"; not measured: {', '.join(f'`{m}`' for m in absent)}" if absent else ""
+  sentence += "." if missed or absent else " (all of them)."
+  table = _table(["goal", "target", "measured", "met", "fixed"], rows)
+  return sentence + "\n\n" + table
 
 
 def rollout(r: dict) -> str:
@@ -929,7 +945,10 @@ def render(root: str) -> str:
     r = _load(root, rel)
     if r is None:
       continue
-    section = [fn(r, os.path.dirname(rel)), goals(r), source(r, rel)]
+    # goals as the config defines them now (plan.json and config-less commands judge none)
+    judge_now = "--config=configs/" in r.get("command", "") and rel.endswith("results.json")
+    fixed_now = goal_lib.goals_for_command(r["command"]) if judge_now else {}
+    section = [fn(r, os.path.dirname(rel)), goals(r, fixed_now), source(r, rel)]
     parts += ["", "\n\n".join(x for x in section if x)]
   return "\n".join(parts) + "\n"
 

@@ -1,0 +1,91 @@
+"""Goals are fixed once: every committed results file's experiment still defines, in its config,
+every goal any committed version of that file recorded, at the same op and target, and every goal
+carries the date it was fixed (specdraft/bench/goals.py)."""
+
+import glob
+import json
+import os
+import subprocess
+
+import pytest
+
+from specdraft.bench import goals as goal_lib
+from specdraft.bench import provenance
+
+ROOT = provenance.repo_root()
+RESULTS = sorted(
+  os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/results/*/results.json"))
+)
+
+
+def _command(path):
+  with open(os.path.join(ROOT, path)) as f:
+    return json.load(f)["command"]
+
+
+def test_there_are_results_files_with_history():
+  assert len(RESULTS) >= 10
+  log = subprocess.run(["git", "log", "--oneline", "-3"], cwd=ROOT, capture_output=True, text=True)
+  assert log.returncode == 0 and len(log.stdout.splitlines()) == 3, "needs the git history"
+
+
+@pytest.mark.parametrize("path", RESULTS)
+def test_every_goal_is_complete_and_dated(path):
+  goals = goal_lib.goals_for_command(_command(path))
+  assert goals, f"{path}: its config defines no goals"
+  for name, goal in goals.items():
+    goal_lib.check_goal(name, goal)
+
+
+@pytest.mark.parametrize("path", RESULTS)
+def test_no_recorded_goal_was_moved_or_dropped(path):
+  """A goal a committed version of the results file recorded is still in the config, at the op
+  and target it had then (a new threshold is a new name)."""
+  now = goal_lib.goals_for_command(_command(path))
+  for name, versions in goal_lib.recorded_history(path, ROOT).items():
+    assert name in now, f"{path}: goal {name!r} (recorded at {versions[0]['commit'][:7]}) is gone"
+    for v in versions:
+      have = {"op": now[name]["op"], "target": now[name]["target"]}
+      assert have == {"op": v["op"], "target": v["target"]}, (
+        f"{path}: goal {name!r} was {v['op']} {v['target']} at {v['commit'][:7]}; the config "
+        f"now says {have['op']} {have['target']}: a changed threshold needs a new name"
+      )
+
+
+def test_a_moved_goal_is_caught(tmp_path):
+  """The check above on a history written here: a results file whose goal's target changed
+  between two commits."""
+
+  def git(*a):
+    subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+  git("init", "-q")
+  git("config", "user.email", "t@t")
+  git("config", "user.name", "t")
+  path = "docs/results/x/results.json"
+  os.makedirs(tmp_path / "docs/results/x")
+  for target in (1.15, 1.1, 1.1):
+    goal = {"metric": "r", "op": "<=", "target": target, "value": 1.2, "met": False}
+    (tmp_path / path).write_text(json.dumps({"goals": {"ratio": goal}, "r": target}))
+    git("add", "-A")
+    git("commit", "-qm", f"run at {target}", "--allow-empty")
+  history = goal_lib.recorded_history(path, str(tmp_path))
+  assert [v["target"] for v in history["ratio"]] == [1.15, 1.1]
+
+
+def test_later_goals_are_judged_on_the_files_figures_and_missing_ones_not_measured():
+  results = {"goals": {"a": {"metric": "x", "op": "<=", "target": 1, "value": 0.5, "met": True}}}
+  results.update(x=0.5, y=2.0)
+  fixed_now = {
+    "a": {"metric": "x", "op": "<=", "target": 1, "fixed": "2026-11-30"},
+    "b": {"metric": "y", "op": "<=", "target": 1.5, "fixed": "2026-12-04"},
+    "c": {"metric": "z", "op": ">=", "target": 1, "fixed": "2026-12-04", "needs": "arm Z"},
+  }
+  judged = goal_lib.judged(results, fixed_now)
+  assert judged["a"]["met"] is True and "evaluated_after_run" not in judged["a"]
+  assert judged["b"]["met"] is False and judged["b"]["evaluated_after_run"]
+  assert judged["c"]["met"] is None and judged["c"]["value"] is None
+  with pytest.raises(KeyError):  # a goal with a misspelt metric is an error, not "not measured"
+    provenance.evaluate_goals({"d": {"metric": "zz", "op": "<=", "target": 1}}, results)
+  with pytest.raises(ValueError, match="fixed"):
+    goal_lib.check_goal("e", {"metric": "x", "op": "<=", "target": 1, "what": "w"})
