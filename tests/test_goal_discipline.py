@@ -89,3 +89,35 @@ def test_later_goals_are_judged_on_the_files_figures_and_missing_ones_not_measur
     provenance.evaluate_goals({"d": {"metric": "zz", "op": "<=", "target": 1}}, results)
   with pytest.raises(ValueError, match="fixed"):
     goal_lib.check_goal("e", {"metric": "x", "op": "<=", "target": 1, "what": "w"})
+
+
+def test_a_restored_run_names_its_commit_and_is_refused_once_its_code_changed(tmp_path):
+  """`provenance.check_restorable` on a repository written here: a run without its commit, one
+  whose code changed since (refused), one where only docs changed (restored)."""
+
+  def git(*a):
+    subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+  git("init", "-q")
+  git("config", "user.email", "t@t")
+  git("config", "user.name", "t")
+  (tmp_path / ".gitignore").write_text("runs/\n")
+  os.makedirs(tmp_path / "specdraft")
+  (tmp_path / "specdraft/x.py").write_text("A = 1\n")
+  git("add", "-A")
+  git("commit", "-qm", "code")
+  run = str(tmp_path / "runs/arm_seed0")
+  os.makedirs(run)
+  with pytest.raises(ValueError, match="produced_at"):
+    provenance.check_restorable(run, cwd=str(tmp_path))
+  record = provenance.record_produced(run, cwd=str(tmp_path))
+  assert record["commit"] and not record["dirty"]
+  (tmp_path / "README.md").write_text("docs only\n")
+  git("add", "-A")
+  git("commit", "-qm", "docs")
+  assert provenance.check_restorable(run, cwd=str(tmp_path))["commit"] == record["commit"]
+  (tmp_path / "specdraft/x.py").write_text("A = 2\n")
+  git("add", "-A")
+  git("commit", "-qm", "code changed")
+  with pytest.raises(ValueError, match="changed since"):
+    provenance.check_restorable(run, cwd=str(tmp_path))

@@ -53,6 +53,14 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   for arm in config.drift.arms:  # bad arm names fail before any work
     config_lib.validate(_arm_config(config, arm))
   run_dir = run_dir or provenance.run_dir_for(workdir, "runs")
+  # Finished arm runs found in run_dir are restored, not re-run: each must name the commit that
+  # produced it, and the code must not have changed since (checked before any work).
+  restored = {}
+  for arm in config.drift.arms:
+    for seed in range(config.drift.seeds):
+      path = os.path.join(run_dir, f"{arm}_seed{seed}")
+      if _complete_rl_run(path, config.rl.steps):
+        restored[f"{arm}_seed{seed}"] = provenance.check_restorable(path)["commit"]
   base_cfg = copy.deepcopy(config)
   base_cfg.rl.steps = 0
   base_dir = os.path.join(run_dir, "base")
@@ -80,9 +88,12 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       c = _arm_config(config, arm)
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
       ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
-      if _complete_rl_run(ctx.workdir, config.rl.steps):
-        resumed.append(f"{arm}_seed{seed}")  # its RL phase is restored, not re-run
+      name = f"{arm}_seed{seed}"
+      if name in restored:  # its RL phase is restored, not re-run
+        resumed.append({"run": name, "commit": restored[name]})
       state, _ = loop.rl_phase(ctx, params, dparams)
+      if name not in restored and multihost.is_primary():
+        provenance.record_produced(ctx.workdir)
       if draft_mode != "none":  # the draft the arm rolls out with at its end, against its policy
         final = state["params"]
         draft = final["draft"] if draft_mode == "cotrained" else dparams
@@ -100,8 +111,8 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     tau_end=tau_end,
     tau_start_by_kind=tau_start_by_kind,
   )
-  # Arm runs found complete in run_dir (an earlier run's checkpoints and logs): their timings
-  # and rewards were measured then, not in this run.
+  # Arm runs found complete in run_dir (an earlier run's checkpoints and logs, each with the
+  # commit that produced it): their timings and rewards were measured then, not in this run.
   summary["resumed_runs"] = resumed
   summary = provenance.write_results(
     workdir, summary, goals=provenance.goals_from_config(config.drift.goals)

@@ -90,6 +90,55 @@ def is_repo_results_dir(workdir: str) -> bool:
   return path == results or path.startswith(results + os.sep)
 
 
+# What a run's figures depend on: a restored run is refused once any of these changed since the
+# commit that produced it.
+CODE_PATHS = ("specdraft", "configs", "experiments", "pyproject.toml")
+PRODUCED_AT = "produced_at.json"
+
+
+def record_produced(run_dir: str, cwd: str | None = None) -> dict:
+  """Writes run_dir/produced_at.json: the commit (and whether the tree was dirty) whose code just
+  produced the run there, so that a later experiment may restore it (`check_restorable`)."""
+  record = {
+    "commit": git_commit(cwd),
+    "dirty": git_dirty(cwd, exclude=run_dir),
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+  }
+  os.makedirs(run_dir, exist_ok=True)
+  path = os.path.join(run_dir, PRODUCED_AT)
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f)
+  os.replace(path + ".tmp", path)
+  return record
+
+
+def check_restorable(run_dir: str, cwd: str | None = None) -> dict:
+  """The produced_at record of a finished run that an experiment is about to reuse instead of
+  running again; refuses (ValueError) a run that does not say which commit produced it, one
+  produced from a dirty tree, and one whose code (CODE_PATHS) changed since that commit."""
+  path = os.path.join(run_dir, PRODUCED_AT)
+  if not os.path.exists(path):
+    raise ValueError(
+      f"{run_dir} holds a finished run but no {PRODUCED_AT} (the commit that produced it): its "
+      "figures cannot be attributed to this code. Delete the directory to run it again."
+    )
+  with open(path) as f:
+    record = json.load(f)
+  if record.get("dirty") or not record.get("commit"):
+    raise ValueError(f"{run_dir} was produced from an uncommitted tree ({record}); run it again")
+  changed = _git("diff", "--name-only", record["commit"], "HEAD", "--", *CODE_PATHS, cwd=cwd)
+  if changed is None:
+    raise ValueError(f"{run_dir}: its commit {record['commit']} is not in this repository")
+  if changed:
+    files = changed.split()
+    raise ValueError(
+      f"{run_dir} was produced at {record['commit'][:12]}, and the code it depends on changed "
+      f"since ({len(files)} files, e.g. {', '.join(files[:3])}): restoring it would report "
+      "figures this code did not produce. Delete the directory to run it again."
+    )
+  return record
+
+
 # HEAD when each run's workdir was checked at its start: the commit a results file names must be
 # the one whose code ran, so a commit made during the run is refused at the end.
 _STARTED: dict[str, str | None] = {}

@@ -556,13 +556,21 @@ def drift(r: dict, rel_dir: str, title: str = DRIFT_TITLE) -> str:
     lines.append("")
   resumed = r.get("resumed_runs")
   if resumed:  # measured by an earlier run of the same experiment, restored from run_dir
-    arms = list(dict.fromkeys(name.rsplit("_seed", 1)[0] for name in resumed))
+    # entries name the run and, since the restore check, the commit that produced it
+    names = [x["run"] if isinstance(x, dict) else x for x in resumed]
+    commits = sorted({x["commit"][:12] for x in resumed if isinstance(x, dict)})
+    arms = list(dict.fromkeys(name.rsplit("_seed", 1)[0] for name in names))
     one = len(resumed) == 1
+    produced = (
+      f" at commit{'s' if len(commits) > 1 else ''} {', '.join(f'`{c}`' for c in commits)}"
+      if commits
+      else " (the file does not record at which commit)"
+    )
     lines.append(
       f"{len(resumed)} of the arm runs ({', '.join(ARM_NAMES.get(a, a) for a in arms)}) "
       f"{'was' if one else 'were'} found complete in the run directory and restored, so "
-      f"{'its' if one else 'their'} figures were measured by an earlier run of this experiment; "
-      "the results file lists them (`resumed_runs`)."
+      f"{'its' if one else 'their'} figures were measured by an earlier run of this experiment"
+      f"{produced}; the results file lists them (`resumed_runs`)."
     )
     lines.append("")
   names = ["tau", "reward"] + (["entropy", "rollout_seconds"] if "speed" in r else [])
