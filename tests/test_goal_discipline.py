@@ -121,3 +121,23 @@ def test_a_restored_run_names_its_commit_and_is_refused_once_its_code_changed(tm
   git("commit", "-qm", "code changed")
   with pytest.raises(ValueError, match="changed since"):
     provenance.check_restorable(run, cwd=str(tmp_path))
+
+
+def test_corrected_interval_bound_covers_the_exact_welch_interval():
+  """The two-look restatement's bound on a 97.5% Welch half-width, from the 95% interval only, is
+  never below the exact 97.5% half-width computed from the seeds (unequal and equal spreads),
+  and is tight within the t ratio's range."""
+  import numpy as np
+  from scipy import stats
+
+  from specdraft.bench import drift
+
+  rng = np.random.default_rng(0)
+  for sa, sb in ((0.1, 0.1), (0.05, 0.2), (0.3, 0.01)):
+    a, b = rng.normal(0.5, sa, 20), rng.normal(0.5, sb, 20)
+    d = drift.diff_stats(a, b)
+    va, vb = a.var(ddof=1) / 20, b.var(ddof=1) / 20
+    dof = (va + vb) ** 2 / (va**2 / 19 + vb**2 / 19)
+    exact = stats.t.ppf(1 - 0.05 / 4, dof) * np.sqrt(va + vb)
+    bound = drift.corrected_half_width(d["ci95"], 20, looks=2)
+    assert exact <= bound <= exact * 1.25, (exact, bound)

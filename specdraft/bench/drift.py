@@ -354,3 +354,54 @@ def plot(runs, config, pdir):
     fig.tight_layout()
     fig.savefig(os.path.join(pdir, f"drift_{name}.png"), dpi=110)
     plt.close(fig)
+
+
+def corrected_half_width(ci95, seeds: int, looks: int, alpha: float = 0.05) -> float:
+  """An upper bound on the half-width of the (1 - alpha/looks) Welch interval of a difference of
+  two arms' means with `seeds` seeds each, from its 95% interval: the Welch degrees of freedom lie
+  in [n - 1, 2n - 2], so the largest t ratio bounds the unknown one."""
+  half95 = (ci95[1] - ci95[0]) / 2
+  ratio = stats.t.ppf(1 - alpha / (2 * looks), seeds - 1) / stats.t.ppf(0.975, 2 * seeds - 2)
+  return float(half95 * ratio)
+
+
+def restate_equivalence(config, workdir: str) -> dict:
+  """The reward equivalence of the drift experiment's looks (`config.restate.looks`, results
+  files judged on one growing sequence of seeds) under a Bonferroni split of alpha over the looks:
+  per look, the corrected interval's bound and whether it lies within the goal's +-bound."""
+  r = config.restate
+  provenance.check_workdir(workdir)
+  root = provenance.repo_root()
+  looks = []
+  for rel in r.looks:
+    with open(os.path.join(root, rel)) as f:
+      res = json.load(f)
+    d = res["reward_C_minus_A"]
+    half = corrected_half_width(d["ci95"], res["seeds"], len(r.looks), r.alpha)
+    looks.append(
+      {
+        "file": rel,
+        "commit": res["commit"],
+        "seeds": res["seeds"],
+        "diff": d["diff"],
+        "ci95": d["ci95"],
+        "ci95_abs_max": d["ci95_abs_max"],
+        "level": 1 - r.alpha / len(r.looks),
+        "ci_corrected_bound": [d["diff"] - half, d["diff"] + half],
+        "ci_abs_max_corrected": abs(d["diff"]) + half,
+      }
+    )
+  payload = {
+    "design": {
+      "looks": len(r.looks),
+      "alpha": r.alpha,
+      "correction": r.correction,
+      "declared": r.declared,
+    },
+    "looks": looks,
+    "ci_abs_max_corrected_min": min(x["ci_abs_max_corrected"] for x in looks),
+  }
+  out = provenance.write_results(workdir, payload, goals=provenance.goals_from_config(r.goals))
+  print(json.dumps(out, indent=2))
+  print(provenance.goals_table(out["goals"]), flush=True)
+  return out
