@@ -600,7 +600,7 @@ def equivalence_restated(r: dict) -> str:
     f"{d['alpha']:g} evenly over them ({d['correction']}), each look's interval bounded from its "
     "95% Welch interval (degrees of freedom between n - 1 and 2n - 2)."
   )
-  header = ["look", "seeds", "C − A", "95% interval", "corrected interval (bound)", "max \\|end\\|"]
+  header = ["look", "seeds", "C − A", "95% interval", "corrected interval (bound)", "farthest end"]
   return lead + "\n\n" + _table(header, rows)
 
 
