@@ -114,6 +114,7 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
   # Arm runs found complete in run_dir (an earlier run's checkpoints and logs, each with the
   # commit that produced it): their timings and rewards were measured then, not in this run.
   summary["resumed_runs"] = resumed
+  summary["design"] = {"stopping_rule": config.drift.design, "seeds": config.drift.seeds}
   summary = provenance.write_results(
     workdir, summary, goals=provenance.goals_from_config(config.drift.goals)
   )
