@@ -361,3 +361,78 @@ def test_snapshot_names_every_leaf_with_its_spec(snapshot_setup):
   assert lines["params/draft/wq"].endswith("('fsdp', 'tensor', None)")
   mu = [k for k in lines if k.endswith("mu/draft/wq")]
   assert len(mu) == 1 and lines[mu[0]] == lines["params/draft/wq"]
+
+
+# ----------------------------------------------------------------------------- long rows
+
+
+@pytest.mark.parametrize("name", ["cp4_dp2", pytest.param("pp2_cp2_dp2", marks=pytest.mark.slow)])
+def test_long_rows_leave_no_quadratic_or_vocabulary_sized_buffer(name):
+  """The compiled co-training step (forward and backward) under a cp layout at S = 2048 has no
+  array of (S/cp)^2 elements (the ring attends in tiles) nor of (S/cp) x V (the vocabulary is
+  chunked), on any device; the same layout with whole-row logits (vocab_chunk = 0) has an
+  (S/cp) x V one (the negative control: the check sees such buffers)."""
+  from _hlo import largest_array
+
+  c = compare_config.get_config("smoke")
+  S, V = 2048, 1024
+  c.model.vocab_size = V
+  c.compute.update(attn_tile=128, vocab_chunk=128)
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  local = S // lay.cp
+
+  def largest(vocab_chunk):
+    c.compute.vocab_chunk = vocab_chunk
+    s = cl.make_setup(c, batch_size=lay.devices // lay.cp, seq_len=S, host_batch=False)
+    return largest_array(cl.compile_layout(s, lay, sft=False)["compiled"].as_text())
+
+  chunked = largest(128)
+  assert chunked < local * local and chunked < local * V, (chunked, local)
+  assert largest(0) >= local * V
+
+
+@pytest.mark.parametrize("name", ["cp4_dp2", "fsdp2_dp4"])
+def test_rollout_rows_are_sharded_over_every_batch_axis(name):
+  """The compiled rollout (the engine's first stage: prefill and SD rounds) under the layout's
+  rows rule: every row array of its carry (both KV caches, tokens, lengths, keys) is split over
+  every mesh axis a row can go to (data, fsdp and cp: all but tensor and pp), one slice of rows
+  per device, never replicated over one of them."""
+  from specdraft.decode import engine, speculative
+  from specdraft.decode.sampling import Sampling
+  from specdraft.parallel import mesh as mesh_lib
+
+  c = compare_config.get_config("smoke")
+  s = cl.make_setup(c, batch_size=8, seq_len=16, host_batch=False)
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  ways = int(np.prod([n for a, n in lay.mesh.shape.items() if a not in ("tensor", "pp")]))
+  assert ways == 8
+  B, S, N, G = 16, 8, 6, 2
+  rows1 = mesh_lib.rows_sharding(lay.mesh, lay.rules, ndim=1)
+  rows2 = mesh_lib.rows_sharding(lay.mesh, lay.rules, ndim=2)
+  tr = cl.initial_trainable(s)
+  prompts = jax.device_put(jnp.ones((B, S), jnp.int32), rows2)
+  lengths = jax.device_put(jnp.full((B,), S, jnp.int32), rows1)
+  spec = speculative.Spec(s.pcfg, s.dcfg, N, G, False, Sampling(1.0, 0, 1.0))
+  choice = speculative.Choice.of(spec, None, None)
+  rows = engine.Rows(lay.mesh, rows1.spec[0])
+  assert rows.min_rows == ways
+  compiled = engine._start.lower(
+    tr["policy"], tr["draft"], prompts, lengths, jax.random.key(0), choice, jnp.int32(0),
+    spec=spec, sampler=speculative.rejection_sample,
+  ).compile()  # fmt: skip
+  carry_sh, _ = compiled.output_shardings
+  carry_shapes, _ = jax.eval_shape(
+    lambda *a: engine._start(*a, spec=spec, sampler=speculative.rejection_sample),
+    tr["policy"], tr["draft"], prompts, lengths, jax.random.key(0), choice, jnp.int32(0),
+  )  # fmt: skip
+  checked = []
+
+  def check(path, sh, shape):
+    ax = engine._row_axis(path, shape)
+    if ax is None or shape.ndim == 0 or shape.shape[ax] != B:
+      return
+    checked.append(jax.tree_util.keystr(path))
+    assert sh.shard_shape(shape.shape)[ax] == B // ways, (jax.tree_util.keystr(path), sh)
+
+  jax.tree_util.tree_map_with_path(check, carry_sh, carry_shapes)
+  assert {"['pcache'].k", "['dcache'].k", "['out']", "['key']"} <= set(checked), checked

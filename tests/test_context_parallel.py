@@ -286,6 +286,55 @@ def test_bf16_inputs_accumulate_in_fp32():
   assert_close(got, want, 5e-2)
 
 
+def _merged_in_bf16(q, k, v, chunks: int):
+  """Causal attention over key chunks merged by log-sum-exp with the running output and lse
+  stored in bf16 between chunks: the accumulation bug the test below must catch."""
+  B, S, H, D = q.shape
+  K = k.shape[2]
+  qf = q.astype(jnp.float32).reshape(B, S, K, H // K, D)
+  pos = jnp.arange(S)
+  o = m = None
+  for c in range(chunks):
+    sl = slice(c * S // chunks, (c + 1) * S // chunks)
+    s = jnp.einsum("bskgd,btkd->bskgt", qf, k[:, sl].astype(jnp.float32)) / np.sqrt(D)
+    s = jnp.where((pos[:, None] >= pos[sl][None, :])[None, :, None, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, -1)
+    p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0.0)
+    oc = jnp.einsum("bskgt,btkd->bskgd", p, v[:, sl].astype(jnp.float32))
+    lse = jnp.where(jnp.isfinite(lse), lse, -1e30)
+    if o is None:
+      o, m = oc, lse
+    else:
+      new = jnp.logaddexp(m, lse)
+      o = o * jnp.exp(m - new)[..., None] + oc * jnp.exp(lse - new)[..., None]
+      m = new
+    o, m = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (o, m))
+  return o.reshape(B, S, H, D)
+
+
+def test_bf16_ring_output_is_the_rounded_fp32_result():
+  """bf16 inputs over a long row (S = 1024, cp = 4) with near-uniform attention over values far
+  from 0 (every output averages hundreds of them): the ring's bf16 output is the fp32 oracle's on
+  the same inputs within 1.5 x 2^-8 of its magnitude (correct rounding is within 1.0), while the
+  same merge kept in bf16 between its 4 chunks is off by more (the negative control)."""
+  S = 1024
+  seg = np.ones((1, S), np.int32)
+  q, k, v, qb, kb, vb, seg = inputs(30, seg, dtype=jnp.bfloat16)
+  q, v = (q * 0.05).astype(jnp.bfloat16), (v + 4.0).astype(jnp.bfloat16)
+  xs = (q, k, v, qb, kb, vb)
+  x32 = tuple(x.astype(jnp.float32) for x in xs)
+  ring = jax.jit(lambda *a: cp_impl("ring", 4)(*a, seg, branch="ttt"))(*xs)
+  want = jax.jit(lambda *a: dense(*a, seg, branch="ttt"))(*x32)
+
+  def err(got, ref):  # in units of 2^-8 |ref|
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(got - ref) / (np.abs(ref) * 2.0**-8)))
+
+  assert ring[0].dtype == jnp.bfloat16
+  assert err(ring[0], want[0]) <= 1.5 and err(ring[1], want[1]) <= 1.5
+  assert err(jax.jit(lambda *a: _merged_in_bf16(*a, 4))(q, k, v), want[0]) > 1.5
+
+
 def test_no_branch_entries_and_unpadded_lengths():
   xs = inputs(40, SEGS[:, :13], W=0)  # S=13 is padded to 16 internally
   assert_close(
