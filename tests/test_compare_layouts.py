@@ -290,14 +290,14 @@ def test_attention_tile_loops_do_not_communicate(name, monkeypatch):
   whole batch, which, with the batch split over data, XLA made an all-reduce per tile pair inside
   the loops (beside the ring's permutes; the CPU runtime's rendezvous aborts under tp2_cp2_dp2 and
   pp2_cp2_dp2). With the mask metadata whole on every device (`mesh.metadata_constraint`) the
-  test is local: no collective comes from it. The control, without it, has them."""
+  test is local: no collective comes from it. The control under every layout, without it, has
+  them."""
   assert _skip_test_collectives(name) == []
-  if name == "tp2_cp2_dp2":
-    from specdraft.parallel import mesh as mesh_lib
+  from specdraft.parallel import mesh as mesh_lib
 
-    monkeypatch.setattr(mesh_lib, "metadata_constraint", lambda mesh: None)
-    control = _skip_test_collectives(name)
-    assert control and all(k == "all-reduce" for k, _, _ in control), control
+  monkeypatch.setattr(mesh_lib, "metadata_constraint", lambda mesh: None)
+  control = _skip_test_collectives(name)
+  assert control and all(k == "all-reduce" for k, _, _ in control), control
 
 
 @pytest.mark.slow
