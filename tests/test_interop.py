@@ -3,6 +3,7 @@ tiny randomly initialised `transformers` Llama models (CPU torch, nothing downlo
 safetensors, imported, and compared on logits (unpacked and packed rows, float32, <= 1e-4) and
 greedy generations through the KV cache, token for token."""
 
+import dataclasses
 import json
 import os
 
@@ -144,22 +145,27 @@ def test_logits_equal_transformers_on_packed_rows(llama):
 
 
 def test_greedy_generation_through_the_kv_cache_equals_transformers(llama):
+  """Every one of N greedy tokens through our KV cache equals transformers' `generate`, with the
+  stop token disabled on both sides (no row ends early, so the whole length is compared)."""
   _, model, pcfg, params = llama
   rng = np.random.default_rng(2)
   prompt = rng.integers(3, V, (1, 6))
-  N = 12
+  N = 24
+  no_stop = dataclasses.replace(pcfg, eos_id=-1, stop_ids=())
   gen = autoregressive.generate(
-    params, pcfg, jnp.asarray(prompt, jnp.int32), jnp.array([6], jnp.int32), jax.random.key(0),
+    params, no_stop, jnp.asarray(prompt, jnp.int32), jnp.array([6], jnp.int32), jax.random.key(0),
     max_new_tokens=N, temperature=0.0,
   )  # fmt: skip
   ours = np.asarray(gen.tokens)[0]
+  model.generation_config.eos_token_id = None
   with torch.no_grad():
     out = model.generate(
-      torch.tensor(prompt), max_new_tokens=N, do_sample=False, eos_token_id=EOS,
+      torch.tensor(prompt), max_new_tokens=N, do_sample=False, eos_token_id=None,
       pad_token_id=PAD,
     )[0, 6:].numpy()  # fmt: skip
-  n = len(out)
-  np.testing.assert_array_equal(ours[:n], out)
+  assert len(out) == N and int(gen.lengths[0]) == N
+  np.testing.assert_array_equal(ours, out)
+  assert len(set(out.tolist())) > 2  # not one token repeated
 
 
 def test_sharded_load_places_each_shard_and_equals_the_host_load(llama):
