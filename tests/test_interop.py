@@ -17,7 +17,7 @@ import transformers
 from specdraft.decode import autoregressive
 from specdraft.interop import hf
 from specdraft.model import policy as pol
-from specdraft.tasks.tokenizer import EOS, PAD
+from specdraft.tasks.tokenizer import PAD
 
 V = 99
 
