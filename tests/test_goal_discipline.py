@@ -141,3 +141,37 @@ def test_corrected_interval_bound_covers_the_exact_welch_interval():
     exact = stats.t.ppf(1 - 0.05 / 4, dof) * np.sqrt(va + vb)
     bound = drift.corrected_half_width(d["ci95"], 20, looks=2)
     assert exact <= bound <= exact * 1.25, (exact, bound)
+
+
+def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
+  """`readme.first_change_since` on a repository written here: fresh after a docs-only commit and
+  after a change to the renderer, stale from the first commit that changes measured code."""
+  from specdraft.bench import readme
+
+  def git(*a):
+    out = subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+  git("init", "-q")
+  git("config", "user.email", "t@t")
+  git("config", "user.name", "t")
+  os.makedirs(tmp_path / "specdraft/bench")
+  os.makedirs(tmp_path / "configs")
+  (tmp_path / "specdraft/x.py").write_text("A = 1\n")
+  (tmp_path / "configs/exp.py").write_text("B = 1\n")
+  git("add", "-A")
+  git("commit", "-qm", "code")
+  results = {"commit": git("rev-parse", "HEAD"), "command": "python e.py --config=configs/exp.py"}
+  for path in ("README.md", "specdraft/bench/readme.py"):
+    (tmp_path / path).write_text("report\n")
+    git("add", "-A")
+    git("commit", "-qm", path)
+    assert readme.first_change_since(results, str(tmp_path)) is None
+  (tmp_path / "configs/exp.py").write_text("B = 2\n")
+  git("add", "-A")
+  git("commit", "-qm", "config changed")
+  first = git("rev-parse", "HEAD")
+  (tmp_path / "specdraft/x.py").write_text("A = 2\n")
+  git("add", "-A")
+  git("commit", "-qm", "code changed")
+  assert readme.first_change_since(results, str(tmp_path)) == first

@@ -53,6 +53,52 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
   return "\n".join(lines)
 
 
+# What every results file's figures depend on besides its own config and script: a commit that
+# touched any of these after the results file's commit makes its figures stale. The modules that
+# only report (this renderer, goals, provenance) are not measured code.
+MEASURES = (
+  "specdraft",
+  "pyproject.toml",
+  "Makefile",
+  ":(exclude)specdraft/bench/readme.py",
+  ":(exclude)specdraft/bench/goals.py",
+  ":(exclude)specdraft/bench/provenance.py",
+)
+
+
+def first_change_since(results: dict, root: str) -> str | None:
+  """The first commit after the one that wrote `results` to change the code it measures
+  (MEASURES, its config file and its script, read from its command); None while it is fresh (or
+  without git history)."""
+  import re
+  import subprocess
+
+  commit = results.get("commit")
+  if not commit:
+    return None
+  paths = list(MEASURES)
+  paths += re.findall(r"(?:configs|experiments)/\w+\.py", results.get("command", ""))
+  log = subprocess.run(
+    ["git", "log", "--reverse", "--format=%H", f"{commit}..HEAD", "--", *paths],
+    cwd=root,
+    capture_output=True,
+    text=True,
+  )
+  changes = log.stdout.split() if log.returncode == 0 else []
+  return changes[0] if changes else None
+
+
+def freshness(results: dict, root: str) -> str:
+  """One sentence: fresh, or stale since which commit."""
+  first = first_change_since(results, root)
+  if first is None:
+    return "Fresh: no commit since the one that wrote it changed the code it measures."
+  return (
+    f"**Stale**: the code it measures changed after it was written (first at `{first[:12]}`); "
+    "these figures describe the code as it was then, until the run is repeated."
+  )
+
+
 def source(results: dict, rel: str) -> str:
   """Which file, command, commit, date and machine a section's figures come from."""
   commit = results["commit"] or "unknown"
@@ -982,7 +1028,8 @@ def render(root: str) -> str:
     # goals as the config defines them now (plan.json and config-less commands judge none)
     judge_now = "--config=configs/" in r.get("command", "") and rel.endswith("results.json")
     fixed_now = goal_lib.goals_for_command(r["command"]) if judge_now else {}
-    section = [fn(r, os.path.dirname(rel)), goals(r, fixed_now), source(r, rel)]
+    fresh = freshness(r, root)
+    section = [fn(r, os.path.dirname(rel)), goals(r, fixed_now), source(r, rel) + " " + fresh]
     parts += ["", "\n\n".join(x for x in section if x)]
   return "\n".join(parts) + "\n"
 
