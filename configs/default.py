@@ -7,7 +7,7 @@ Fields:   --config.sft.steps=500 --config.model.n_layers=6
 
 Sized so that a policy pass costs about 7 draft passes (size "bench"; the 4-layer "tiny" policy is
 barely deeper than its draft). At this run's 64 rows a rollout on 2 CPU cores is close to
-compute-bound, so SD is only slightly faster than AR here (README, "Measured"). The arithmetic
+compute-bound, which limits what SD can gain here (docs/results.md). The arithmetic
 task gives the RL phase something to learn and the sampled policy real entropy: its SFT data writes
 95% of the answers in one format and 5% in another ("semicolon"), the reward pays only for the rare
 one, and the scratchpad varies freely (a space may stand around every '+' and '=': about 0.35 nats
@@ -316,9 +316,7 @@ def _longtail(c: ml_collections.ConfigDict, smoke: bool) -> None:
     c.task.longtail.update(max_terms=4, max_digits=1)
   else:
     # the rare format is "symbols", not the arithmetic run's "semicolon": a two-term answer has
-    # one step and no separator, so ';' could not mark it (60% of the prompts could not be paid;
-    # RL then paid for any ';', and the policy's sums broke: greedy accuracy 0.98 -> 0.25). With
-    # "symbols" the RL reward rose from 0.10 to 0.84 in 30 steps (README, "Configs and variants")
+    # one step and no separator, so ';' could not mark it (most prompts could not be paid)
     c.task.longtail.update(
       formats="columns:0.95,symbols:0.05", reward_format="symbols", space_prob=0.5
     )

@@ -243,10 +243,11 @@ def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp
   out = provenance.write_results(
     str(tmp_path / "docs" / "results" / "bench_step"), payload, goals=goals, command=["x.py"]
   )
-  (tmp_path / "README.md").write_text("a\n<!-- results:begin -->\nstale\n<!-- results:end -->\nb\n")
+  doc = tmp_path / "docs" / "results.md"
+  doc.write_text("a\n<!-- results:begin -->\nstale\n<!-- results:end -->\nb\n")
   assert readme.update(str(tmp_path), check=True) is False
   assert readme.update(str(tmp_path)) is False and readme.update(str(tmp_path), check=True)
-  text = (tmp_path / "README.md").read_text()
+  text = doc.read_text()
   assert text.startswith("a\n<!-- results:begin -->\n") and text.endswith(
     "<!-- results:end -->\nb\n"
   )
@@ -258,11 +259,11 @@ def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp
 
 
 def test_readme_measured_section_is_generated_from_the_results_files():
-  """Every figure in README's measured section is rendered from the results file it cites."""
+  """Every figure in docs/results.md is rendered from the results file it cites."""
   from specdraft.bench import readme
 
   root = provenance.repo_root()
-  with open(os.path.join(root, "README.md")) as f:
+  with open(os.path.join(root, readme.DOC)) as f:
     block = readme.split(f.read())[1]
   assert block == readme.render(root), "run: python experiments/readme_tables.py"
 
