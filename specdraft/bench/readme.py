@@ -200,6 +200,36 @@ def rollout(r: dict) -> str:
   return head + "\n\n" + table
 
 
+def rollout_auto(r: dict) -> str:
+  """Auto G against AR and every fixed G, all compacted, per batch size."""
+  c = r["config"]
+  Gs = [str(g) for g in c["num_drafts"]]
+  header = ["batch", "AR tok/s", *[f"G={g}" for g in Gs], "auto", "auto's G (rounds at 0..)"]
+  header += ["best G", "auto / best", "greedy equal"]
+  rows = [
+    [
+      str(x["batch"]),
+      _f(x["tokens_per_s"]["ar"], 0),
+      *[_f(x["over_ar"][g]) for g in Gs],
+      _f(x["auto_over_ar"]),
+      " ".join(str(n) for n in x["auto_num_draft_counts"]),
+      str(x["best_fixed"]),
+      _f(x["auto_over_best_fixed"]),
+      _yes(x["greedy_equal"]),
+    ]
+    for x in r["rows"]
+  ]
+  lead = (
+    "### Speculation per round: auto G against AR and every fixed G\n\n"
+    f"Tokens per second over compacted AR ({c['policy_layers']}-layer policy, width "
+    f"{c['d_model']}, T = {c['temperature']:g}, {c['max_new_tokens']} new tokens, "
+    f"{c['repeats']} repeats side by side, finished rows compacted in every arm down to "
+    f"{c['min_rows']} rows). Auto picks G in 0..{max(c['num_drafts'])} before every round from "
+    "the cost model calibrated on this machine at the start of the run and the running acceptance."
+  )
+  return lead + "\n\n" + _table(header, rows)
+
+
 def num_draft_sweep(r: dict) -> str:
   s, k = r["sweep"], r["config"]
   rows = [
@@ -986,6 +1016,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
   ("docs/results/bench_num_draft/results.json", lambda r, d: num_draft_sweep(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
+  ("docs/results/bench_rollout_auto/results.json", lambda r, d: rollout_auto(r)),
   ("docs/results/bench_cost/results.json", lambda r, d: cost_model(r)),
   ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_drafts_markov/results.json", lambda r, d: drafts_markov(r)),
