@@ -195,22 +195,34 @@ def run(
   engine then compacts them into a smaller batch)."""
   branch = lambda G: functools.partial(one_round, params, dparams, G=G, spec=spec, sampler=sampler)
   M = spec.num_draft
+  cond = lambda c: num_active(c) > stop_below  # stop_below >= 0: some row is active
+
+  def at(g: int):  # one round at G = g, recorded in the stats
+    def body(c):
+      r, active = c["stats"]["rounds"], num_active(c)
+      c = branch(g)(c)
+      st = dict(c["stats"])
+      st["num_draft_trace"] = st["num_draft_trace"].at[r].set(g, mode="drop")
+      st["active_trace"] = st["active_trace"].at[r].set(active, mode="drop")
+      st["num_draft_counts"] = st["num_draft_counts"].at[g].add(1)
+      return {**c, "stats": st}
+
+    return body
+
+  if not spec.adaptive:
+    return jax.lax.while_loop(cond, at(M), carry)
+
+  # Adaptive: each branch of the switch runs rounds at its G for as long as the choice stays
+  # there, so the switch (which may copy the carry, both KV caches included) is entered only when
+  # the choice changes, not every round. The rounds run are the same as choosing every round.
+  def stay(g: int):
+    same = lambda c: cond(c) & (choose_num_draft(c["stats"], choice) == g)
+    return lambda c: jax.lax.while_loop(same, at(g), c)
 
   def body(c):
-    r, active = c["stats"]["rounds"], num_active(c)
-    if spec.adaptive:
-      G = choose_num_draft(c["stats"], choice)
-      c = jax.lax.switch(G, [branch(g) for g in range(M + 1)], c)
-    else:
-      G = jnp.int32(M)
-      c = branch(M)(c)
-    st = dict(c["stats"])
-    st["num_draft_trace"] = st["num_draft_trace"].at[r].set(G, mode="drop")
-    st["active_trace"] = st["active_trace"].at[r].set(active, mode="drop")
-    st["num_draft_counts"] = st["num_draft_counts"].at[G].add(1)
-    return {**c, "stats": st}
+    G = choose_num_draft(c["stats"], choice)
+    return jax.lax.switch(G, [stay(g) for g in range(M + 1)], c)
 
-  cond = lambda c: num_active(c) > stop_below  # stop_below >= 0: some row is active
   return jax.lax.while_loop(cond, body, carry)
 
 
