@@ -34,9 +34,14 @@ def launch(n: int, devices: int, cmd: list[str], *, timeout: int = 900, stdout=s
     str(n),
     str(devices),
   ]
+  # the launched processes compile for themselves (no persistent compilation cache: see
+  # tests/test_multihost.py's no_persistent_cache)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   return subprocess.Popen(
     launcher + ["--timeout", str(timeout), "--"] + cmd,
     cwd=ROOT,
+    env=env,
     stdout=stdout,
     stderr=subprocess.STDOUT,
     text=True,

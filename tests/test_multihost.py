@@ -89,6 +89,17 @@ def _assert_same_logs(ref, got, names=LOGS):
     assert_same(ref[name], got[name], name)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_persistent_cache():
+  """This module's programs compile without JAX's persistent cache: with the cache warm from
+  earlier runs of the suite, the cp4_dp2 two-process run aborted in gloo ("Received data size
+  doesn't match expected size") on every rerun in one checkout, and passed with it off or cold."""
+  old = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", old)
+
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("tfds"))
