@@ -29,8 +29,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     num_drafts=(0, 1, 2, 3, 4, 5),
     grid_rows=(1, 4, 16, 64, 128),
     grid_tokens=(1, 3, 6),
-    grid_round_rows=(1, 16, 128),
-    grid_round_G=(5,),
+    grid_round_rows=(1, 4, 16, 64, 128),
+    grid_round_G=(2, 5),
     min_s=0.05,
     repeats=3,
   )

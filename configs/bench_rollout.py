@@ -131,9 +131,9 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     max_new_tokens=40,
     min_rows=c.decode.min_rows,
     # cost-model calibration: passes at grid_rows x (1, G_max/2 + 1, G_max + 1) tokens, whole
-    # AR steps and SD rounds at G_max at grid_round_rows (decode/cost.py)
+    # AR steps and SD rounds at (G_max + 1)/2 and G_max at grid_round_rows (decode/cost.py)
     grid_rows=(1, 4, 16, 64, 128),
-    grid_round_rows=(1, 16, 128),
+    grid_round_rows=(1, 4, 16, 64, 128),
   )
   if smoke:
     c.bench.update(

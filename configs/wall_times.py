@@ -5,6 +5,9 @@ Smoke: python experiments/wall_times.py --config=configs/wall_times.py:smoke --w
 `make run` alone (one clean clone, its environment built first and not counted):
        python experiments/wall_times.py --config=configs/wall_times.py:make_run_only \
          --workdir=docs/results/make_run
+`make run` on the long-tailed task (CONFIG=configs/default.py:longtail), the same way:
+       python experiments/wall_times.py --config=configs/wall_times.py:make_run_longtail \
+         --workdir=docs/results/make_run_longtail
 
 Each CI run clones HEAD into a fresh directory and runs the steps of `.ci/run` one by one
 (`make venv`, `make lint`, `make test`, `make test-slow`), timing each; `make run` is then timed
@@ -19,8 +22,12 @@ from specdraft.config import parse_arg
 
 
 def get_config(arg: str | None = None):
-  arg = parse_arg(arg, smoke=False, runs=3, make_run=True, make_run_only=False)
+  arg = parse_arg(
+    arg, smoke=False, runs=3, make_run=True, make_run_only=False, make_run_longtail=False
+  )
   c = ml_collections.ConfigDict()
+  if arg.make_run_longtail:
+    return _make_run_longtail(c)
   if arg.make_run_only:
     return _make_run_only(c)
   c.runs = 1 if arg.smoke else arg.runs
@@ -105,6 +112,42 @@ def _make_run_only(c):
       "op": ">=",
       "target": 0.3,
       "what": "policy entropy over the first RL steps, nats per token",
+    },
+  )
+  return c
+
+
+def _make_run_longtail(c):
+  """`make run CONFIG=configs/default.py:longtail` (the long-tailed task, auto G, compaction in
+  both arms) timed in one clean clone, with the speed goal of the long-tailed task: co-trained SD
+  rollouts decoded as the run decodes them (`rollout.as_run`: finished rows compacted away in
+  both arms, G chosen per round) at least 1.5x AR's on held-out prompts."""
+  c.runs, c.make_run, c.steps, c.smoke_pytest = 1, True, ["venv"], ""
+  c.make_run_config, c.make_run_name = "longtail", "longtail"
+  summary = "make_run_summary"
+  c.goals = dict(
+    sd_speedup_as_run={
+      "metric": f"{summary}.rollout.as_run.speedup",
+      "fixed": "2026-12-05",
+      "op": ">=",
+      "target": 1.5,
+      "what": "co-trained SD rollouts vs AR rollouts as the run decodes them (compaction in "
+      "both, auto G), wall-clock speedup on held-out prompts",
+    },
+    sd_speedup={
+      "metric": f"{summary}.rollout.speedup",
+      "fixed": "2026-12-05",
+      "op": ">=",
+      "target": 1.5,
+      "what": "co-trained SD rollouts (G = decode.num_draft every round, no compaction) vs AR "
+      "rollouts, wall-clock speedup on held-out prompts",
+    },
+    reward_rises={
+      "metric": "make_run_reward_gain",
+      "fixed": "2026-12-05",
+      "op": ">",
+      "target": 0.0,
+      "what": "RL reward, last steps minus first steps",
     },
   )
   return c

@@ -459,6 +459,9 @@ def test_block_draft_run_resumes_exactly(smoke_config, tmp_path):
   summary = loop.train_and_evaluate(c, full)
   assert summary["rollout"]["num_draft"] == c.decode.num_draft
   assert summary["rollout"]["greedy_equal"]
+  # and decoded as the run decodes (finished rows compacted away in both arms)
+  assert summary["rollout"]["as_run"]["engine"]["compact"]
+  assert summary["rollout"]["as_run"]["greedy_equal"]
   part = str(tmp_path / "part")
   loop.train_and_evaluate(c, part, stop_after=("rl", 3))
   loop.train_and_evaluate(c, part)

@@ -121,11 +121,16 @@ def _synthetic_points(model: cost.CostModel, rows, tokens, capacity=96):
   return pts
 
 
-def test_fit_recovers_a_machine_from_its_own_times():
+@pytest.mark.parametrize(
+  "draft_fixed", [(None, None), (1e-5, 8e-6)], ids=["shared_fixed_costs", "draft_fixed_costs"]
+)
+def test_fit_recovers_a_machine_from_its_own_times(draft_fixed):
   """Times made by a known machine are fitted back within 1% at the fitted points and at rows
-  and G never fitted on (the fit is identifiable from a calibration-sized grid)."""
+  and G never fitted on (the fit is identifiable from a calibration-sized grid), whether the
+  draft's fixed costs are the policy's or its own."""
   pcfg, dcfg = _models()
-  truth = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
+  machine = cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9, *draft_fixed)
+  truth = cost.CostModel(machine, pcfg, dcfg)
   fitted = cost.CostModel(
     cost.fit(_synthetic_points(truth, (1, 4, 16, 64, 128), (1, 3, 6)), pcfg, dcfg), pcfg, dcfg
   )
@@ -135,6 +140,7 @@ def test_fit_recovers_a_machine_from_its_own_times():
         truth.round_seconds(b, G, 96), rel=0.01
       )
     assert fitted.ar_step_seconds(b, 96) == pytest.approx(truth.ar_step_seconds(b, 96), rel=0.01)
+    assert fitted.draft_seconds(b, 1, 96) == pytest.approx(truth.draft_seconds(b, 1, 96), rel=0.01)
 
 
 def test_calibration_is_cached_per_config(tmp_path, monkeypatch):

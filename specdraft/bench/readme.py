@@ -811,6 +811,20 @@ def make_run(r: dict) -> str:
   return "\n\n".join(parts)
 
 
+def make_run_longtail(r: dict) -> str:
+  """`make run` on the long-tailed task (configs/wall_times.py:make_run_longtail)."""
+  parts = [
+    "### `make run` on the long-tailed task",
+    "`make run CONFIG=configs/default.py:longtail` timed in a clean clone after `make venv`, on "
+    f"{r['cpu_count']} CPU cores ({r['cpu']}): {_f(r['make_run_s'] / 60, 1)} min. Its rollouts "
+    "choose G per round and compact finished rows; the final report times SD against AR both "
+    "with one loop per arm at the fixed G and as the run decodes (compaction in both arms, auto "
+    "G).",
+  ]
+  parts += _make_run_table(r, "The summary table it printed")
+  return "\n\n".join(parts)
+
+
 _LONG_TASKS = {
   "retrieval": "Key-value retrieval among distractor records",
   "frequency": (
@@ -1014,6 +1028,7 @@ def cost_model(r: dict) -> str:
 SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/make_run/results.json", lambda r, d: make_run(r)),
   ("docs/results/wall_times/results.json", lambda r, d: wall_times(r)),
+  ("docs/results/make_run_longtail/results.json", lambda r, d: make_run_longtail(r)),
   ("docs/results/bench_num_draft/results.json", lambda r, d: num_draft_sweep(r)),
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_rollout_auto/results.json", lambda r, d: rollout_auto(r)),

@@ -225,7 +225,7 @@ def run_adaptive(config, workdir: str) -> dict:
     rows=tuple(b.grid_rows),
     tokens=tuple(sorted({1, (M + 2) // 2, M + 1})),
     round_rows=tuple(b.grid_round_rows),
-    round_G=(M,),
+    round_G=tuple(sorted({max(1, (M + 1) // 2), M})),
     capacity=ctx.prompt_len + N + M + 2,
     prompt_len=ctx.prompt_len,
   )

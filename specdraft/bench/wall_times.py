@@ -31,13 +31,15 @@ def pytest_counts(output: str) -> dict[str, int]:
   return counts
 
 
-def _run_step(clone: str, step: str, env: dict, log) -> tuple[float, bool, str]:
+def _run_step(clone: str, step: str | list[str], env: dict, log) -> tuple[float, bool, str]:
+  """`make <step>` (a target, or a target with its variables) in `clone`, timed."""
+  args = [step] if isinstance(step, str) else list(step)
   t0 = time.perf_counter()
   proc = subprocess.run(
-    ["make", step], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ["make", *args], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
   )
   seconds = time.perf_counter() - t0
-  log.write(f"\n===== make {step}: rc={proc.returncode} {seconds:.1f}s\n{proc.stdout}")
+  log.write(f"\n===== make {' '.join(args)}: rc={proc.returncode} {seconds:.1f}s\n{proc.stdout}")
   log.flush()
   return seconds, proc.returncode == 0, proc.stdout
 
@@ -70,11 +72,18 @@ def ci_run(repo: str, steps, logs: str, index: int, smoke_pytest: str = "") -> t
   return row, clone
 
 
-def time_make_run(clone: str, logs: str) -> tuple[float, dict | None]:
+def time_make_run(
+  clone: str, logs: str, config_arg: str = "", run_name: str = "default"
+) -> tuple[float, dict | None]:
+  """`make run` timed in `clone` (with CONFIG=configs/default.py:<config_arg> when given); its
+  run's summary.json."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  step = ["run", f"RUN_NAME={run_name}"]
+  if config_arg:
+    step.append(f"CONFIG=configs/default.py:{config_arg}")
   with open(os.path.join(logs, "make_run.log"), "w") as log:
-    seconds, ok, _ = _run_step(clone, "run", env, log)
-  path = os.path.join(clone, "runs", "default", "summary.json")
+    seconds, ok, _ = _run_step(clone, step, env, log)
+  path = os.path.join(clone, "runs", run_name, "summary.json")
   summary = None
   if ok and os.path.exists(path):
     with open(path) as f:
@@ -103,7 +112,14 @@ def run(config, workdir: str) -> dict:
     "max_total_s": max(r["total_s"] for r in rows),
   }
   if config.make_run:
-    payload["make_run_s"], payload["make_run_summary"] = time_make_run(clones[-1], logs)
+    payload["make_run_s"], payload["make_run_summary"] = time_make_run(
+      clones[-1], logs, config.get("make_run_config", ""), config.get("make_run_name", "default")
+    )
+    if config.get("make_run_config"):
+      payload["make_run_command"] = (
+        f"make run CONFIG=configs/default.py:{config.make_run_config} "
+        f"RUN_NAME={config.make_run_name}"
+      )
     summary = payload["make_run_summary"] or {}
     first, last = summary.get("reward_first"), summary.get("reward_last")
     payload["make_run_reward_gain"] = None if first is None or last is None else last - first

@@ -43,6 +43,7 @@ def compare_rollouts(
   temperature: float,
   repeats: int,
   seed: int = 0,
+  engine_kw: dict | None = None,
 ) -> dict:
   """Times AR and SD generation on the same inputs; returns the figures defined above.
 
@@ -50,21 +51,31 @@ def compare_rollouts(
   timed); then `repeats` timed calls alternate AR, SD, AR, SD, ... with the same key for both
   in each repeat, so slow phases of a shared machine hit both. Rates are medians over repeats;
   `speedup` is the ratio of the median rates and `speedup_per_repeat` the paired ratios.
+
+  `engine_kw`: both arms run through `decode.engine` as RL rollouts do (finished rows compacted
+  away when `compact`; SD at a fixed G, or choosing G per round when `adaptive`, with its `cost`
+  and `prior`), the first call compiling every bucket's stage; None: one loop per arm, every
+  row riding in every pass.
   """
-  run = generators(
-    params,
-    dparams,
-    pcfg,
-    dcfg,
-    prompts_BS,
-    prompt_lengths_B,
-    max_new_tokens=max_new_tokens,
-    num_draft=num_draft,
-  )
+  kw = dict(max_new_tokens=max_new_tokens, num_draft=num_draft)
+  warm = None
+  if engine_kw is None:
+    run = generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw)
+  else:
+    run = engine_pair(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw, **engine_kw)
+    warm = engine_pair(
+      params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw, **engine_kw,
+      every_stage=True,
+    )  # fmt: skip
   first_call_s, samples = time_side_by_side(
-    run, temperature=temperature, repeats=repeats, seed=seed
+    run, temperature=temperature, repeats=repeats, seed=seed, warm=warm
   )
   out = _summarise(samples, batch=int(prompts_BS.shape[0]))
+  if engine_kw is not None:
+    out["engine"] = {k: v for k, v in engine_kw.items() if isinstance(v, (bool, int, float))}
+    counts = [s["num_draft_counts"] for s in samples["sd"] if "num_draft_counts" in s]
+    if counts:  # rounds at each G, summed over the timed repeats
+      out["num_draft_counts"] = np.sum(counts, axis=0).tolist()
   out.update(
     temperature=float(temperature),
     num_draft=int(num_draft),
@@ -213,6 +224,18 @@ def generators(params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, **kw) 
     **kw,
   )
   return {"ar": ar, "sd": sd}
+
+
+def engine_pair(
+  params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, *, num_draft, **kw
+) -> dict:
+  """{"ar": AR, "sd": SD at `num_draft` (G, or G_max with `adaptive`)} through `decode.engine`,
+  each (key, temperature) -> Generation; `kw` as `engine.generate`'s."""
+  arm = lambda G: lambda key, t: engine.generate(
+    params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, key, temperature=t,
+    num_draft=G, **kw,
+  )  # fmt: skip
+  return {"ar": arm(0), "sd": arm(num_draft)}
 
 
 def engine_arms(

@@ -19,14 +19,18 @@ A round at G (`round_seconds`) is one policy pass over G + 1 tokens plus the dra
 (EAGLE-3: G - 1 single-token steps and a (G + 1)-token catch-up, G = 0: none, the draft takes in
 the plain steps' entries with one window-wide pass when drafting resumes, not counted here; a
 block draft: one block pass and the context write of the verified tokens, G = 0: the write only)
-plus the round's own work, round_s + rows * (G + 1) * V / sample_rate (the
-distributions over the vocabulary, sampling, verification, writing out). An AR step is one policy
+plus the round's own work, round_s + round_layer_s * L + rows * (G + 1) * V / sample_rate (the
+distributions over the vocabulary, sampling, verification, writing out, the per-layer cache's
+bookkeeping). An AR step is one policy
 pass over one token plus the same own work at G = 0.
 
-The seven machine coefficients are fitted by `calibrate` from timed passes of both models and timed
-AR steps and SD rounds at a few (rows, G) on the machine at hand (tens of seconds; cached per
-config, backend and JAX version). One set of coefficients serves the policy and the draft, so the
-model carries over to a policy size it was not fitted on.
+The ten machine coefficients are fitted by `calibrate` from timed passes of both models and timed
+AR steps and SD rounds at a few (rows, G) on the machine at hand, plus passes and AR steps of the
+policy cut to half its layers, so that what a pass costs and what a layer costs can be told
+apart (a minute or two; cached per config, backend and JAX version). The rates are shared by the
+policy and the draft, the fixed costs per pass and per layer are each model's own, and a round's
+own work has a per-layer part; every coefficient is per layer or per unit of work, so the model
+carries over to a policy size it was not fitted on.
 
 Shape letters: M = G_max (the most a round drafts).
 """
@@ -115,9 +119,12 @@ def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-  """Fitted coefficients: fixed seconds per pass and per layer, sustained FLOP/s and bytes/s of
-  weights of a pass; fixed seconds per round and vocabulary entries per second of a round's own
-  work; bytes/s of KV-cache traffic."""
+  """Fitted coefficients: fixed seconds per policy pass and per policy layer, sustained FLOP/s and
+  bytes/s of weights of a pass; fixed seconds per round and vocabulary entries per second of a
+  round's own work; bytes/s of KV-cache traffic; fixed seconds per draft pass and per draft layer
+  (None: the policy's). A draft layer's fixed cost is its own: its program differs from a policy
+  layer's (EAGLE-3's fusion and head; no scan over a carried cache), and one fixed cost for both
+  leaves a policy pass at one row underpredicted and a draft pass overpredicted by 2x here."""
 
   pass_s: float
   layer_s: float
@@ -126,13 +133,22 @@ class Machine:
   round_s: float
   sample_rate: float
   kv_rate: float
+  draft_pass_s: float | None = None
+  draft_layer_s: float | None = None
+  round_layer_s: float = 0.0
 
-  def seconds(self, w: Work) -> float:
+  def seconds(self, w: Work, *, draft: bool = False) -> float:
     moved = w.weight_bytes / self.byte_rate + w.kv_bytes / self.kv_rate
-    return self.pass_s + self.layer_s * w.layers + max(w.flops / self.flop_rate, moved)
+    pass_s, layer_s = self.pass_s, self.layer_s
+    if draft and self.draft_pass_s is not None:
+      pass_s, layer_s = self.draft_pass_s, self.draft_layer_s
+    return pass_s + layer_s * w.layers + max(w.flops / self.flop_rate, moved)
 
-  def round_overhead(self, rows: int, tokens: int, vocab: int) -> float:
-    return self.round_s + rows * tokens * vocab / self.sample_rate
+  def round_overhead(self, rows: int, tokens: int, vocab: int, layers: int = 0) -> float:
+    """A round's own work: fixed seconds, per policy layer (the loop's bookkeeping of the
+    per-layer cache), and per vocabulary entry of the rows' distributions."""
+    fixed = self.round_s + self.round_layer_s * layers
+    return fixed + rows * tokens * vocab / self.sample_rate
 
   @classmethod
   def from_spec(cls, spec: dict) -> Machine:
@@ -162,15 +178,15 @@ class CostModel:
     return self.machine.seconds(policy_work(self.pcfg, rows, tokens, capacity))
 
   def draft_seconds(self, rows: int, tokens: int, capacity: int) -> float:
-    return self.machine.seconds(draft_work(self.dcfg, rows, tokens, capacity))
+    return self.machine.seconds(draft_work(self.dcfg, rows, tokens, capacity), draft=True)
 
   def ar_step_seconds(self, rows: int, capacity: int) -> float:
-    own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size)
+    own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     return self.policy_seconds(rows, 1, capacity) + own
 
   def round_seconds(self, rows: int, G: int, capacity: int) -> float:
     t = self.policy_seconds(rows, G + 1, capacity)
-    t += self.machine.round_overhead(rows, G + 1, self.pcfg.vocab_size)
+    t += self.machine.round_overhead(rows, G + 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     if drafts.is_block(self.dcfg):
       return t + self.draft_seconds(rows, G + 1 if G else 0, capacity)
     if G == 0:  # a plain step: the draft does not run (decode.speculative._plain_step)
@@ -279,9 +295,10 @@ def time_draft_pass(
   return _time_loop(one, (cache, jnp.zeros((rows, tokens), jnp.int32)), min_s)
 
 
-def _time_loop(one, carry, min_s: float) -> float:
-  """Median seconds per iteration of `one` in a jitted fori_loop (compiled once, then timed with
-  enough iterations to last `min_s`, three times)."""
+def _time_loop(one, carry, min_s: float, repeats: int = 5) -> float:
+  """Seconds per iteration of `one` in a jitted fori_loop: compiled once, then timed with enough
+  iterations to last `min_s`, `repeats` times, the fastest kept (on a shared CPU other work only
+  ever adds time, so the minimum is the least noisy estimate of the pass itself)."""
   loop = jax.jit(lambda c, n: jax.lax.fori_loop(0, n, lambda i, c: one(c), c))
   jax.block_until_ready(loop(carry, 1))
   n, t = 1, 0.0
@@ -293,11 +310,11 @@ def _time_loop(one, carry, min_s: float) -> float:
       break
     n *= max(2, int(min_s / max(t, 1e-6)))
   ts = [t / n]
-  for _ in range(2):
+  for _ in range(repeats - 1):
     t0 = time.perf_counter()
     jax.block_until_ready(loop(carry, n))
     ts.append((time.perf_counter() - t0) / n)
-  return float(np.median(ts))
+  return float(np.min(ts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,15 +325,28 @@ class Grid:
 
   rows: tuple[int, ...] = (1, 4, 16, 64, 128)
   tokens: tuple[int, ...] = (1, 3, 6)
-  round_rows: tuple[int, ...] = (1, 16, 128)
-  round_G: tuple[int, ...] = (5,)
+  round_rows: tuple[int, ...] = (1, 4, 16, 64, 128)
+  round_G: tuple[int, ...] = (2, 5)
   capacity: int = 128
   prompt_len: int = 9
+  # also time policy passes and AR steps of the policy's first half of its layers: with one depth,
+  # fixed seconds per pass and per layer cannot be told apart (nor a round's per-layer cost),
+  # and a policy of another depth would be predicted from an arbitrary split
+  shallow: bool = True
+
+
+def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int):
+  """(params, config) of the policy's first `layers` layers, its embedding, norm and head kept
+  (a second depth to calibrate on; its outputs mean nothing)."""
+  cut = dict(params)
+  cut["layers"] = jax.tree.map(lambda x: x[:layers], params["layers"])
+  return cut, dataclasses.replace(pcfg, n_layers=layers, tap_layers=None)
 
 
 def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> list[dict]:
   """Timed passes and rounds at every grid point: [{model, rows, tokens, capacity, seconds}]
-  (model: policy | draft | ar | sd; for ar and sd, tokens is G)."""
+  (model: policy | draft | ar | sd; for ar and sd, tokens is G), and with `grid.shallow` policy
+  passes and AR steps of a shallower policy (their points carry its `layers`)."""
   out = []
   for rows in grid.rows:
     for tokens in grid.tokens:
@@ -336,6 +366,23 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
     new_tokens=new_tokens,
     repeats=3,
   )
+  depth = max(1, pcfg.n_layers // 2)
+  if grid.shallow and depth < pcfg.n_layers:
+    sparams, scfg = shallow_policy(params, pcfg, depth)
+    for rows in grid.rows:
+      for tokens in grid.tokens:
+        s = time_policy_pass(sparams, scfg, rows, tokens, grid.capacity, min_s=min_s)
+        out.append(
+          dict(
+            model="policy", rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s,
+            layers=depth,
+          )
+        )  # fmt: skip
+    ar = time_rounds(
+      sparams, None, scfg, None, rows=grid.round_rows, num_drafts=(),
+      prompt_len=grid.prompt_len, new_tokens=new_tokens, repeats=3,
+    )  # fmt: skip
+    out += [dict(p, layers=depth) for p in ar]
   return out
 
 
@@ -382,7 +429,8 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
 
 
 def _time_stage(init, stage, repeats: int) -> float:
-  """Median seconds per round of `stage` run from `init`'s carry (compiled and warmed first)."""
+  """Seconds per round of `stage` run from `init`'s carry (compiled and warmed first): the fastest
+  of `repeats` runs, as `_time_loop`."""
   carry = jax.block_until_ready(init())
   jax.block_until_ready(stage(carry))
   ts = []
@@ -393,12 +441,15 @@ def _time_stage(init, stage, repeats: int) -> float:
     st = out["stats"]
     rounds = int(st["rounds"]) if "rounds" in st else int(st["policy_passes"]) - 1
     ts.append((time.perf_counter() - t0) / max(rounds, 1))
-  return float(np.median(ts))
+  return float(np.min(ts))
 
 
 def predict(model: CostModel, point: dict) -> float:
   """The model's seconds for a measured point of `measure` / `time_rounds`."""
   m, b, t, cap = point["model"], point["rows"], point["tokens"], point["capacity"]
+  if point.get("layers", model.pcfg.n_layers) != model.pcfg.n_layers:  # a shallower policy
+    pcfg = dataclasses.replace(model.pcfg, n_layers=point["layers"], tap_layers=None)
+    model = dataclasses.replace(model, pcfg=pcfg)
   if m == "policy":
     return model.policy_seconds(b, t, cap)
   if m == "draft":
@@ -423,7 +474,8 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
   t_min = float(np.exp(t.min()))
   for rate in (1e9, 1e10, 1e11):
     for share in (0.1, 0.5):
-      x0 = np.log([t_min * share, t_min * share / 10, rate, rate, t_min * share, rate / 10, rate])
+      fixed = [t_min * share, t_min * share / 10]
+      x0 = np.log(fixed + [rate, rate, t_min * share, rate / 10, rate] + fixed + fixed[1:])
       r = least_squares(resid, x0, method="trf")
       if best is None or r.cost < best.cost:
         best = r
@@ -431,7 +483,7 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
 
 
 # The model's form: a calibration cached under another form is not read back.
-FORM = "kv_rate, policy KV once per layer"
+FORM = "kv_rate, policy KV once per layer, draft fixed costs, two depths"
 
 
 def cache_key(pcfg, dcfg, grid: Grid) -> str:

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from specdraft.decode import autoregressive
+from specdraft.decode import autoregressive, engine
 from specdraft.decode.compare import compare_rollouts
 from specdraft.parallel import multihost
 from specdraft.tasks import CharTokenizer, loader
@@ -90,11 +90,28 @@ def held_out_prompts(ctx):
   return _place_rows(prompts_BS, lengths_B, ctx.rows_sh)
 
 
-def rollout_report(ctx, params, dparams, *, repeats: int = 3) -> dict:
+def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = False) -> dict:
   """SD vs AR on `eval.batch_size` held-out prompts at `eval.sd_temperature` and G =
-  `decode.num_draft` (figures defined in decode/compare.py), rows sharded as in rollouts."""
+  `decode.num_draft` (figures defined in decode/compare.py), rows sharded as in rollouts.
+
+  as_run=False: one loop per arm, every row riding in every pass, SD at the fixed G.
+  as_run=True: both arms decode as the run's rollouts do, through `decode.engine` (finished rows
+  compacted away in both arms when `decode.compact`; with `decode.speculation = auto`, G chosen
+  per round from the run's cost model and the acceptance its rollouts carried)."""
   c = ctx.config
   prompts_BS, lengths_B = held_out_prompts(ctx)
+  auto = c.decode.speculation == "auto"
+  engine_kw = None
+  if as_run:
+    engine_kw = dict(
+      compact=c.decode.compact,
+      min_rows=c.decode.min_rows,
+      adaptive=auto,
+      window=c.decode.get("catch_up_window", 8),
+      cost=ctx.cost_model({"policy": params, "draft": dparams}) if auto else None,
+      prior=ctx.acceptance if auto else None,
+      rows=engine.Rows(ctx.mesh, ctx.rows_sh1.spec[0]) if ctx.mesh.size > 1 else None,
+    )
   return compare_rollouts(
     params,
     dparams,
@@ -106,4 +123,5 @@ def rollout_report(ctx, params, dparams, *, repeats: int = 3) -> dict:
     num_draft=c.decode.num_draft,
     temperature=c.eval.sd_temperature,
     repeats=repeats,
+    engine_kw=engine_kw,
   )

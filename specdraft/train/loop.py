@@ -169,6 +169,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   repeats = int(config.eval.get("report_repeats", 3))
   if done and repeats > 0 and (config.draft.pretrain_steps > 0 or config.rl.steps > 0):
     rollout = rollout_report(ctx, params, dparams, repeats=repeats)
+    if config.decode.compact or config.decode.speculation == "auto":
+      # and as the run's rollouts decode (compaction, auto G): rollout.as_run
+      rollout["as_run"] = rollout_report(ctx, params, dparams, repeats=repeats, as_run=True)
   lap("report")
 
   # 5. Plots and the summary (process 0 writes them; every process returns the summary).

@@ -218,8 +218,8 @@ class Context:
       grid = cost.Grid(
         rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
         tokens=tuple(sorted({1, (G + 2) // 2, G + 1})),
-        round_rows=tuple(sorted({1, rows})),
-        round_G=(G,),
+        round_rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
+        round_G=tuple(sorted({max(1, (G + 1) // 2), G})),
         capacity=self.prompt_len + N + G + 2,
         prompt_len=self.prompt_len,
       )

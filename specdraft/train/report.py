@@ -202,6 +202,18 @@ def summary_table(summary: dict) -> str:
       ),
       ("greedy SD == AR (every row)", "yes" if r["greedy_equal"] else "NO"),
     ]
+    a = r.get("as_run")
+    if a:  # both arms decoded as the run's rollouts (compaction; auto G)
+      how = "auto G" if a.get("engine", {}).get("adaptive") else f"G={a['num_draft']}"
+      how += ", compacted" if a.get("engine", {}).get("compact") else ""
+      rows += [
+        (f"SD vs AR as the run decodes ({how}): speedup", a["speedup"]),
+        ("SD vs AR as the run decodes: tau", a["tau"]),
+        ("greedy SD == AR as the run decodes", "yes" if a["greedy_equal"] else "NO"),
+      ]
+      if a.get("num_draft_counts"):
+        counts = " ".join(str(int(n)) for n in a["num_draft_counts"])
+        rows.append(("auto G: rounds at G = 0, 1, ...", counts))
   ph = summary.get("phase_seconds")
   if ph:
     rows.append((f"wall time (s): {' / '.join(ph)}", " / ".join(f"{v:.0f}" for v in ph.values())))
