@@ -144,34 +144,52 @@ def test_corrected_interval_bound_covers_the_exact_welch_interval():
 
 
 def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
-  """`readme.first_change_since` on a repository written here: fresh after a docs-only commit and
-  after a change to the renderer, stale from the first commit that changes measured code."""
+  """`readme.first_change_since` on a repository written here: fresh after a docs-only commit,
+  a change to the renderer and a change to a module the experiment never imports; stale from the
+  first commit that changes a module its config imports (through a package and a function-level
+  import), and from a config change."""
   from specdraft.bench import readme
 
   def git(*a):
     out = subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
+  def commit(path, text):
+    (tmp_path / path).write_text(text)
+    git("add", "-A")
+    git("commit", "-qm", path)
+    return git("rev-parse", "HEAD")
+
   git("init", "-q")
   git("config", "user.email", "t@t")
   git("config", "user.name", "t")
   os.makedirs(tmp_path / "specdraft/bench")
+  os.makedirs(tmp_path / "specdraft/decode")
   os.makedirs(tmp_path / "configs")
+  for path in ("specdraft/__init__.py", "specdraft/decode/__init__.py"):
+    (tmp_path / path).write_text("")
   (tmp_path / "specdraft/x.py").write_text("A = 1\n")
-  (tmp_path / "configs/exp.py").write_text("B = 1\n")
-  git("add", "-A")
-  git("commit", "-qm", "code")
-  results = {"commit": git("rev-parse", "HEAD"), "command": "python e.py --config=configs/exp.py"}
-  for path in ("README.md", "specdraft/bench/readme.py"):
-    (tmp_path / path).write_text("report\n")
-    git("add", "-A")
-    git("commit", "-qm", path)
-    assert readme.first_change_since(results, str(tmp_path)) is None
-  (tmp_path / "configs/exp.py").write_text("B = 2\n")
-  git("add", "-A")
-  git("commit", "-qm", "config changed")
-  first = git("rev-parse", "HEAD")
-  (tmp_path / "specdraft/x.py").write_text("A = 2\n")
-  git("add", "-A")
-  git("commit", "-qm", "code changed")
+  (tmp_path / "specdraft/decode/y.py").write_text("def f():\n  from specdraft import x\n")
+  (tmp_path / "specdraft/unused.py").write_text("C = 1\n")
+  (tmp_path / "configs/exp.py").write_text("from specdraft.decode import y\nB = 1\n")
+  results = {
+    "commit": commit("README.md", "start\n"),
+    "command": "python e.py --config=configs/exp.py",
+  }
+  measured = readme.measured_paths(results, str(tmp_path))
+  assert {"specdraft/x.py", "specdraft/decode/y.py", "configs/exp.py"} <= set(measured)
+  assert "specdraft/unused.py" not in measured
+  for path in ("README.md", "specdraft/bench/readme.py", "specdraft/unused.py"):
+    commit(path, "changed\n")
+    assert readme.first_change_since(results, str(tmp_path)) is None, path
+  first = commit("specdraft/x.py", "A = 2\n")  # imported only inside a function of y
+  commit("configs/exp.py", "from specdraft.decode import y\nB = 2\n")
   assert readme.first_change_since(results, str(tmp_path)) == first
+  # a command that times `make run` measures make run's entry point and config
+  make_run = {"commit": results["commit"], "command": "python experiments/wall_times.py "
+              "--config=configs/wall_times.py:make_run_only --workdir=w"}  # fmt: skip
+  paths = readme.measured_paths(make_run, str(tmp_path))
+  assert "experiments/train.py" in paths and "configs/default.py" in paths
+  ci = {"commit": results["commit"], "command": "python experiments/wall_times.py "
+        "--config=configs/wall_times.py --workdir=w"}  # fmt: skip
+  assert "tests" in readme.measured_paths(ci, str(tmp_path))

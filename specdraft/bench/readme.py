@@ -59,31 +59,89 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
   return "\n".join(lines)
 
 
-# What every results file's figures depend on besides its own config and script: a commit that
-# touched any of these after the results file's commit makes its figures stale. The modules that
-# only report (this renderer, goals, provenance) are not measured code.
-MEASURES = (
-  "specdraft",
-  "pyproject.toml",
-  "Makefile",
-  ":(exclude)specdraft/bench/readme.py",
-  ":(exclude)specdraft/bench/goals.py",
-  ":(exclude)specdraft/bench/provenance.py",
+# What a results file's figures depend on: the modules its script and config import, followed
+# through every `specdraft` and `configs` import they make (anywhere in a file, so imports inside
+# functions count), and the environment (pyproject.toml, Makefile). A commit after the results
+# file's that touched any of them makes its figures stale. The modules that only report (this
+# renderer, goals, provenance) are not measured code. Commands that run a whole `make` target
+# (experiments/wall_times.py) measure what that target runs: `make run` its entry point and
+# config; the CI steps the whole repository (`WHOLE_REPOSITORY`).
+ENVIRONMENT = ("pyproject.toml", "Makefile")
+NOT_MEASURED = (
+  "specdraft/bench/readme.py",
+  "specdraft/bench/goals.py",
+  "specdraft/bench/provenance.py",
 )
+WHOLE_REPOSITORY = ("specdraft", "configs", "experiments", "tests", "scripts", ".ci", *ENVIRONMENT)
+MAKE_RUN = ("experiments/train.py", "configs/default.py")
+
+
+def _module_file(root: str, module: str) -> str | None:
+  """The repository file of a dotted module name (a module or a package's __init__), if any."""
+  base = os.path.join(root, *module.split("."))
+  for path in (base + ".py", os.path.join(base, "__init__.py")):
+    if os.path.exists(path):
+      return os.path.relpath(path, root)
+  return None
+
+
+def imported_files(root: str, entries) -> set[str]:
+  """Repository files reachable from `entries` (paths relative to root) by `import` statements
+  naming `specdraft` or `configs` modules, entries included (a package's __init__ with each of
+  its modules)."""
+  import ast
+
+  seen: set[str] = set()
+  todo = [e for e in entries if os.path.exists(os.path.join(root, e))]
+  while todo:
+    rel = todo.pop()
+    if rel in seen:
+      continue
+    seen.add(rel)
+    with open(os.path.join(root, rel)) as f:
+      tree = ast.parse(f.read(), rel)
+    names = []
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names += [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        names.append(node.module)
+        names += [f"{node.module}.{a.name}" for a in node.names]  # submodules imported by name
+    for name in names:
+      if name.split(".")[0] not in ("specdraft", "configs"):
+        continue
+      parts = name.split(".")
+      for i in range(1, len(parts) + 1):  # a module's packages run their __init__ too
+        path = _module_file(root, ".".join(parts[:i]))
+        if path and path not in seen:
+          todo.append(path)
+  return seen
+
+
+def measured_paths(results: dict, root: str) -> list[str]:
+  """The paths whose changes make `results` stale (see ENVIRONMENT above)."""
+  import re
+
+  command = results.get("command", "")
+  entries = re.findall(r"(?:configs|experiments)/\w+\.py", command)
+  if "experiments/wall_times.py" in entries:
+    if not re.search(r"make_run_(only|longtail)", command):
+      return list(WHOLE_REPOSITORY)  # the CI steps: every file the suites and lint read
+    entries += list(MAKE_RUN)
+  files = (imported_files(root, entries) | set(entries)) - set(NOT_MEASURED)
+  return sorted(files) + list(ENVIRONMENT)
 
 
 def first_change_since(results: dict, root: str) -> str | None:
   """The first commit after the one that wrote `results` to change the code it measures
-  (MEASURES, its config file and its script, read from its command); None while it is fresh (or
-  without git history)."""
-  import re
+  (`measured_paths`: the modules its command's script and config import, and the environment);
+  None while it is fresh (or without git history)."""
   import subprocess
 
   commit = results.get("commit")
   if not commit:
     return None
-  paths = list(MEASURES)
-  paths += re.findall(r"(?:configs|experiments)/\w+\.py", results.get("command", ""))
+  paths = measured_paths(results, root)
   log = subprocess.run(
     ["git", "log", "--reverse", "--format=%H", f"{commit}..HEAD", "--", *paths],
     cwd=root,
