@@ -1110,6 +1110,12 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
       r, d, "Drift on the long-tailed task: the pilot again with the seven-coefficient cost model"
     ),
   ),
+  (
+    "docs/results/drift_longtail/results.json",
+    lambda r, d: drift(
+      r, d, "Drift on the long-tailed task: A and C at five seeds, auto G and compaction"
+    ),
+  ),
   ("docs/results/drift_equivalence_restated/results.json", lambda r, d: equivalence_restated(r)),
   ("docs/results/bench_long/results.json", long),
   ("docs/results/long_run/results.json", long_run),
