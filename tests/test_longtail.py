@@ -208,3 +208,56 @@ def test_an_earlier_run_resumes_with_the_task_added(smoke_config, tmp_path):
   c.task.arithmetic.max_digits = 3
   with pytest.raises(ValueError, match=r"task.arithmetic.max_digits=3 .*started with 2"):
     loop.check_and_record_config(c, wd)
+
+
+@pytest.mark.slow  # a whole smoke run (~1.5 min); `make test-slow` (and CI) run it
+def test_a_longtail_run_with_auto_speculation_end_to_end(tmp_path, monkeypatch):
+  """`configs/default.py:longtail,smoke` (auto G, compaction in every rollout) runs SFT,
+  distillation, co-trained RL and the final report; the machine's timing is replaced by a known
+  cost model (calibration's timed passes are synthetic, the fit is real): every RL step's log
+  carries the G chosen each round, the rows still generating each round and the acceptance per
+  drafted position, and the report's as-run comparison is greedy-exact with rounds at each G."""
+  from specdraft.decode import cost
+  from specdraft.train import loop
+
+  truth = cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9, 2e-5, 5e-6)
+
+  def synthetic_measure(params, dparams, pcfg, dcfg, grid, *, min_s):
+    model = cost.CostModel(truth, pcfg, dcfg)
+    pts = [
+      dict(model=m, rows=b, tokens=t, capacity=grid.capacity)
+      for b in grid.rows
+      for t in grid.tokens
+      for m in ("policy", "draft")
+    ]
+    pts += [dict(model="ar", rows=b, tokens=0, capacity=grid.capacity) for b in grid.round_rows]
+    pts += [
+      dict(model="sd", rows=b, tokens=G, capacity=grid.capacity)
+      for b in grid.round_rows
+      for G in grid.round_G
+    ]
+    for p in pts:
+      p["seconds"] = cost.predict(model, p)
+    return pts
+
+  monkeypatch.setattr(cost, "measure", synthetic_measure)
+  c = default_config.get_config("longtail,smoke")
+  c.data.data_dir = str(tmp_path / "tfds")
+  c.parallel.devices = 1
+  c.eval.report_repeats = 1
+  assert c.decode.speculation == "auto" and c.decode.compact
+  wd = str(tmp_path / "run")
+  summary = loop.train_and_evaluate(c, wd)
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    steps = [json.loads(line) for line in f]
+  assert len(steps) == c.rl.steps
+  M = c.decode.num_draft
+  for s in steps:
+    trace, active = s["num_draft_trace"], s["active_trace"]
+    assert len(trace) == len(active) > 0 and all(0 <= g <= M for g in trace)
+    assert sum(s["num_draft_counts"]) == len(trace) and len(s["accept_per_position"]) == M
+    assert active == sorted(active, reverse=True)  # rows only ever finish
+  as_run = summary["rollout"]["as_run"]
+  assert as_run["engine"]["adaptive"] and as_run["engine"]["compact"]
+  assert as_run["greedy_equal"] and sum(as_run["num_draft_counts"]) > 0
+  assert summary["rollout"]["greedy_equal"]
