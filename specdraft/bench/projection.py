@@ -262,10 +262,17 @@ def measured_rates(steps: list[dict], unmeasured: str) -> tuple[np.ndarray, list
 
 
 def _run_config(run_dir: str):
-  """The run's ConfigDict rebuilt from run_dir/run_config.json."""
+  """The run's ConfigDict rebuilt from run_dir/run_config.json, or, for an arm of the drift
+  experiment (whose run directory holds none), from its experiment's base/run_config.json: an
+  arm's config is the base's with only `rollout.draft` and `draft.kind` set, which the projection
+  does not read."""
   import ml_collections
 
-  with open(os.path.join(run_dir, "run_config.json")) as f:
+  path = os.path.join(run_dir, "run_config.json")
+  base = os.path.join(os.path.dirname(os.path.abspath(run_dir)), "base", "run_config.json")
+  if not os.path.exists(path) and os.path.exists(base):
+    path = base
+  with open(path) as f:
     flat = json.load(f)["config"]
   d = {}
   for k, v in flat.items():
