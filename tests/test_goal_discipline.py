@@ -29,10 +29,18 @@ def test_there_are_results_files_with_history():
   assert log.returncode == 0 and len(log.stdout.splitlines()) == 3, "needs the git history"
 
 
+# Experiments whose results judge nothing by design (and why); every other results file's config
+# must fix goals.
+NO_GOALS = {
+  "experiments/project_speedup.py": "a projection under assumptions it records, not a measurement",
+}
+
+
 @pytest.mark.parametrize("path", RESULTS)
 def test_every_goal_is_complete_and_dated(path):
   goals = goal_lib.goals_for_command(_command(path))
-  assert goals, f"{path}: its config defines no goals"
+  exempt = any(script in _command(path) for script in NO_GOALS)
+  assert goals or exempt, f"{path}: its config defines no goals"
   for name, goal in goals.items():
     goal_lib.check_goal(name, goal)
 

@@ -883,6 +883,22 @@ def make_run_longtail(r: dict) -> str:
   return "\n\n".join(parts)
 
 
+def projection_section(r: dict) -> str:
+  """experiments/project_speedup.py from a run's measured acceptance and tail profile."""
+  from specdraft.bench import projection
+
+  head = (
+    "### Projected speedups on accelerators, from the long-tailed drift run's acceptance\n\n"
+    "The cost model's form (`decode/cost.py`) with each accelerator's datasheet figures and the "
+    "assumed fixed costs and efficiencies of `configs/project_speedup.py`, fed with the measured "
+    "per-position acceptance and the tail profile (rows still generating, round by round) of the "
+    "last RL steps of one co-trained arm of the long-tailed drift run; the policy projected is the "
+    "config's, not the run's. A projection, not a measurement: every assumption is in the results "
+    "file."
+  )
+  return head + "\n\n" + projection.table(r)
+
+
 _LONG_TASKS = {
   "retrieval": "Key-value retrieval among distractor records",
   "frequency": (
@@ -1091,6 +1107,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_rollout/results.json", lambda r, d: rollout(r)),
   ("docs/results/bench_rollout_auto/results.json", lambda r, d: rollout_auto(r)),
   ("docs/results/bench_cost/results.json", lambda r, d: cost_model(r)),
+  ("docs/results/project_longtail/results.json", lambda r, d: projection_section(r)),
   ("docs/results/bench_drafts/results.json", lambda r, d: drafts_compare(r)),
   ("docs/results/bench_drafts_markov/results.json", lambda r, d: drafts_markov(r)),
   ("docs/results/bench_drafts_layers2/results.json", lambda r, d: drafts_compare(r)),
