@@ -113,3 +113,26 @@ def test_smoke_end_to_end(config, tmp_path):
     assert h["rollout"]["speedup"] > 1.0 and 1.0 < h["rl_step_speedup"] < h["rollout"]["speedup"]
     assert h["source"]
   assert os.path.exists(os.path.join(tmp_path, "table.md"))
+
+
+def test_decode_bytes_counts_the_cache_once():
+  """The HBM a rollout holds is each model's weights plus its cache held once: for the 8B
+  Llama-like policy, 128 KiB of keys and values per cached token (32 layers x 8 KV heads x 128 x
+  2 x bf16); the pass traffic the cost model prices (the scan reads the carried cache once per
+  layer) is 32 times that and must not be counted as held."""
+  p = project_speedup.get_config().project
+  pcfg = projection.policy_config(p.policy)
+  dcfg = projection.draft_config(p.draft, pcfg)
+  rows, cap = 64, 4614
+  assert projection.cache_bytes(pcfg, rows, cap) == rows * cap * 32 * 2 * 8 * 128 * 2
+  assert projection.cache_bytes(dcfg, rows, cap) == rows * cap * 1 * 2 * 8 * 128 * 2
+  weights = sum(
+    w.weight_bytes for w in (cost.policy_work(pcfg, 1, 1, 1), cost.draft_work(dcfg, 1, 1, 1))
+  )
+  assert 15e9 < cost.policy_work(pcfg, 1, 1, 1).weight_bytes < 17e9  # 8B parameters in bf16
+  need = projection.decode_bytes(pcfg, dcfg, rows, cap)
+  assert need == pytest.approx(weights + 33 * rows * cap * 2 * 8 * 128 * 2, rel=1e-12)
+  assert need < 80e9  # fits an H100 at 64 rows of 4.6K tokens
+  assert cost.policy_work(pcfg, rows, 1, cap).kv_bytes == 32 * projection.cache_bytes(
+    pcfg, rows, cap
+  )

@@ -29,7 +29,7 @@ import numpy as np
 
 from specdraft.bench import provenance
 from specdraft.decode import cost, engine, speculative
-from specdraft.model import eagle3
+from specdraft.model import drafts, eagle3
 from specdraft.model import policy as pol
 
 _EPS = 1e-9  # tokens: a row whose length the fluid front reached is done
@@ -330,10 +330,24 @@ def train_seconds(pcfg, dcfg, tokens: float, peak_flops: float, mfu: float) -> d
   )
 
 
+def cache_bytes(cfg, rows: int, capacity: int) -> float:
+  """Bytes of a model's KV cache held at `capacity`: keys and values of every layer (one layer for
+  EAGLE-3's draft). Not `Work.kv_bytes`, which prices the traffic of a pass (the decode's scan reads
+  the carried cache once per layer, so its traffic is n_layers times what is held)."""
+  layers = cfg.n_layers if isinstance(cfg, pol.PolicyConfig) or drafts.is_block(cfg) else 1
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  return float(rows * capacity * layers * 2 * cfg.n_kv_heads * cfg.head_dim * itemsize)
+
+
 def decode_bytes(pcfg, dcfg, rows: int, capacity: int) -> float:
   """HBM a rollout holds: both models' weights and KV caches at `capacity`."""
   p, d = cost.policy_work(pcfg, rows, 1, capacity), cost.draft_work(dcfg, rows, 1, capacity)
-  return p.weight_bytes + p.kv_bytes + d.weight_bytes + d.kv_bytes
+  return (
+    p.weight_bytes
+    + d.weight_bytes
+    + cache_bytes(pcfg, rows, capacity)
+    + cache_bytes(dcfg, rows, capacity)
+  )
 
 
 # ----------------------------------------------------------------------------- the projection
