@@ -17,6 +17,7 @@ from configs import compare_layouts as compare_config
 from specdraft.bench import compare_layouts as cl
 from specdraft.bench import hlo as hlo_lib
 from specdraft.parallel import layouts
+from specdraft.train import state as state_lib
 
 SNAPSHOTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshots", "shardings")
 UPDATE = (
@@ -346,6 +347,23 @@ def test_sharding_snapshot(name, snapshot_setup):
       f"the shardings of layout {name!r} changed:\n{diff}\nIf this is intended, run `{UPDATE}` "
       "and commit the snapshots."
     )
+
+
+@pytest.mark.parametrize("name", ["fsdp4_tp2", "cp4_dp2", "pp2_cp2_dp2"])
+def test_the_trainers_own_state_matches_its_snapshot(name, snapshot_setup):
+  """The state the trainer places (`state.init_state` for SFT, `state.init_draft`, then the RL
+  phase's `state.keyed_state`: what `train/phases.py` calls), rendered from the shardings its
+  arrays carry, equals the committed snapshot: the snapshots show what training runs."""
+  s = snapshot_setup
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  policy = state_lib.init_state(s.pcfg, s.sft_tx, lay, 0)["params"]
+  draft = state_lib.init_draft(s.dcfg, s.pcfg, policy, lay, 1)
+  state, sh = state_lib.keyed_state(s.cotrain_tx, {"policy": policy, "draft": draft}, lay, 3)
+  placed = jax.tree.map(lambda x: x.sharding, state)
+  got = cl.render_snapshot(lay, state, placed)
+  assert got == open(os.path.join(SNAPSHOTS, f"{name}.txt")).read()
+  # the shardings the step compiles with are the ones the arrays carry
+  assert cl.render_snapshot(lay, state, sh) == got
 
 
 def test_snapshot_names_every_leaf_with_its_spec(snapshot_setup):

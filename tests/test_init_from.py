@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from configs import default as default_config
 from specdraft import config as config_lib
 from specdraft.interop import hf
-from specdraft.parallel import mesh as mesh_lib
+from specdraft.parallel.layout import Layout
 from specdraft.tasks import make_task
 from specdraft.tasks.tokenizer import CharTokenizer, HFTokenizer, make_tokenizer
 from specdraft.train import loop
@@ -250,9 +250,9 @@ def test_cotraining_starts_from_the_imported_policy(tmp_path, chatml):
   pcfg = state_lib.policy_config(c)
   assert (pcfg.vocab_size, pcfg.n_layers, pcfg.eos_id) == (V, 4, 1)
   # the state the run builds holds the checkpoint's weights, placed as the layout places them
-  mesh = mesh_lib.make_mesh(c.parallel)
-  rules = [tuple(r) for r in c.parallel.rules]
-  st = state_lib.init_state(pcfg, optax.sgd(0.1), mesh, rules, 0, init_from=str(model_dir))
+  st = state_lib.init_state(
+    pcfg, optax.sgd(0.1), Layout.from_config(c.parallel), 0, init_from=str(model_dir)
+  )
   jax.tree.map(np.testing.assert_array_equal, st["params"], hf.load_params(str(model_dir), pcfg))
   wd = str(tmp_path / "run")
   loop.train_and_evaluate(c, wd)

@@ -13,7 +13,7 @@ import pytest
 from configs import default as default_config
 from specdraft.decode import autoregressive
 from specdraft.model import policy as pol
-from specdraft.parallel import mesh as mesh_lib
+from specdraft.parallel.layout import Layout
 from specdraft.tasks.tokenizer import EOS, PAD
 from specdraft.train import loop
 from specdraft.train import step as step_lib
@@ -63,11 +63,10 @@ def _two_sft_steps(c, parallel):
   """Initial parameters and, for two SFT steps, (state, metrics, gradients) under `parallel`."""
   cfg = pol.PolicyConfig.from_config(c.model, 99)
   tx = step_lib.make_optimizer(c.sft, 10)
-  mesh = mesh_lib.make_mesh(parallel)
-  rules = [tuple(r) for r in parallel.rules]
-  state = loop.init_state(cfg, tx, mesh, rules, 0)
+  layout = Layout.from_config(parallel)
+  state = loop.init_state(cfg, tx, layout, 0)
   sh = loop.state_shardings(state)
-  bsh = mesh_lib.batch_sharding(mesh, rules)
+  bsh = layout.batch_sharding()
 
   def step_and_grads(s, b):  # sft_step's two halves, the forward/backward traced once
     (_, metrics), grads = jax.value_and_grad(step_lib.sft_loss, has_aux=True)(s["params"], cfg, b)
@@ -353,7 +352,7 @@ def test_the_rl_state_shards_each_moment_like_its_parameter(tmp_path):
   c = default_config.get_config("smoke,layout=fsdp2_dp4")
   c.data.data_dir = str(tmp_path / "tfds")
   ctx = loop.Context(c, str(tmp_path / "run"))
-  params = state_lib.init_state(ctx.pcfg, optax.sgd(0.1), ctx.mesh, ctx.rules, 0)["params"]
+  params = state_lib.init_state(ctx.pcfg, optax.sgd(0.1), ctx.layout, 0)["params"]
   dparams = phases.init_draft(ctx, params)
   tx = step_lib.make_cotrain_optimizer(c.rl, c.draft, train_draft=True)
   state, _ = phases.rl_state(ctx, tx, params, dparams)

@@ -38,21 +38,20 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft import config as config_lib
 from specdraft.bench import hlo, provenance
 from specdraft.bench.step_time import synthetic_batch
-from specdraft.model import drafts, pipelined
+from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts
-from specdraft.parallel import mesh as mesh_lib
+from specdraft.parallel.layout import Layout
 from specdraft.tasks.tokenizer import CharTokenizer
 from specdraft.train import sequence
+from specdraft.train import state as state_lib
 from specdraft.train import step as step_lib
 
 SFT_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
@@ -150,95 +149,19 @@ def make_setup(config, *, model=None, batch_size=None, seq_len=None, host_batch=
   )
 
 
-@dataclasses.dataclass
-class Layout:
-  name: str
-  parallel: ml_collections.ConfigDict
-  mesh: jax.sharding.Mesh
-  rules: list
-  pipeline: pipelined.PipelineSpec | None
-  cp: int
-
-  @property
-  def devices(self) -> int:
-    return int(self.mesh.size)
-
-
 def make_layout(name: str, parallel) -> Layout:
-  mesh = mesh_lib.make_mesh(parallel)
-  pipeline = None
-  if int(parallel.mesh.get("pp", 1)) > 1:
-    pipeline = pipelined.PipelineSpec.from_config(parallel.pipeline)
-  rules = [tuple(r) for r in parallel.rules]
-  return Layout(name, parallel, mesh, rules, pipeline, sequence.cp_size(mesh))
-
-
-def _replicated(lay: Layout) -> NamedSharding:
-  return NamedSharding(lay.mesh, PartitionSpec())
-
-
-def _init_cotrain(s: Setup):
-  theta = pol.init_params(s.pcfg, 0)
-  tr = {"policy": theta, "draft": drafts.init_params(s.dcfg, 1, theta, s.pcfg)}
-  return {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": s.cotrain_tx.init(tr)}
-
-
-def _init_sft(s: Setup):
-  theta = pol.init_params(s.pcfg, 0)
-  return {"step": jnp.zeros((), jnp.int32), "params": theta, "opt_state": s.sft_tx.init(theta)}
-
-
-def _opt_shardings(abstract_opt, param_shardings, abstract_params, lay: Layout):
-  """Adam moments follow their parameters; counters and other scalars are replicated.
-
-  A moment leaf is matched to the parameter whose path ends its own path (optax nests the moment
-  trees inside its states: `...mu['policy']['layers']['wq']`) with the same shape.
-  (`optax.tree_map_params` cannot init a `multi_transform` whose labels are a function.)"""
-  keystr = jax.tree_util.keystr
-  by_path = {
-    keystr(path): (x.shape, sh)
-    for (path, x), sh in zip(
-      jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings)
-    )
-  }
-
-  def sharding(path, x):
-    key = keystr(path)
-    for suffix, (shape, sh) in by_path.items():
-      if key.endswith(suffix) and x.shape == shape:
-        return sh
-    return _replicated(lay)
-
-  return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
-
-
-def _policy_shardings(s: Setup, lay: Layout, abstract_theta):
-  logical = pol.param_logical_axes(abstract_theta)
-  return mesh_lib.tree_shardings(logical, abstract_theta, lay.rules, lay.mesh)
-
-
-def _draft_shardings(lay: Layout, abstract_phi):
-  logical = drafts.param_logical_axes(abstract_phi)
-  return mesh_lib.tree_shardings(logical, abstract_phi, lay.rules, lay.mesh)
+  return Layout.from_config(parallel, name=name)
 
 
 def cotrain_state_shardings(s: Setup, lay: Layout):
-  """(abstract state, its shardings) of the co-training step under `lay`."""
-  abstract = jax.eval_shape(functools.partial(_init_cotrain, s))
-  params = {
-    "policy": _policy_shardings(s, lay, abstract["params"]["policy"]),
-    "draft": _draft_shardings(lay, abstract["params"]["draft"]),
-  }
-  opt = _opt_shardings(abstract["opt_state"], params, abstract["params"], lay)
-  return abstract, {"step": _replicated(lay), "params": params, "opt_state": opt}
+  """(abstract state, its shardings) of the co-training step under `lay`: the trainer's own
+  (`train/state.py`)."""
+  return state_lib.cotrain_state_shardings(s.pcfg, s.dcfg, s.cotrain_tx, lay)
 
 
 def sft_state_shardings(s: Setup, lay: Layout):
-  """(abstract state, its shardings) of the SFT step under `lay`."""
-  abstract = jax.eval_shape(functools.partial(_init_sft, s))
-  params = _policy_shardings(s, lay, abstract["params"])
-  opt = _opt_shardings(abstract["opt_state"], params, abstract["params"], lay)
-  return abstract, {"step": _replicated(lay), "params": params, "opt_state": opt}
+  """(abstract state, its shardings) of the SFT step under `lay`: the trainer's own."""
+  return state_lib.sft_state_shardings(s.pcfg, s.sft_tx, lay)
 
 
 def laid_out_batch(s: Setup, lay: Layout, *, sft: bool = False) -> tuple[dict, dict]:
@@ -363,7 +286,7 @@ def cotrain_grads(s: Setup, lay: Layout, trainable) -> tuple[dict, dict]:
 
 def initial_trainable(s: Setup) -> dict:
   """The co-training parameters every layout starts from (host arrays)."""
-  return jax.device_get(jax.jit(lambda: _init_cotrain(s)["params"])())
+  return jax.device_get(jax.jit(lambda: state_lib.cotrain_params(s.pcfg, s.dcfg))())
 
 
 def grad_rel_diffs(got, want) -> dict[str, float]:
@@ -460,20 +383,22 @@ def run_steps(s: Setup, lays: dict[str, Layout], compiled: dict, *, repeats: int
 def snapshot_text(s: Setup, lay: Layout) -> str:
   """One line per parameter and optimizer-state leaf of the co-training state: path, shape,
   dtype and PartitionSpec under `lay` (tests/snapshots/shardings/<layout>.txt)."""
-  abstract, shardings = cotrain_state_shardings(s, lay)
-  lines = [f"# layout {lay.name}: " + _mesh_text(lay.parallel)]
-  leaves = jax.tree_util.tree_leaves_with_path(abstract)
-  specs = jax.tree_util.tree_leaves(shardings)
-  for (path, x), sh in zip(leaves, specs):
+  return render_snapshot(lay, *cotrain_state_shardings(s, lay))
+
+
+def render_snapshot(lay: Layout, state, shardings) -> str:
+  """The snapshot text of a state (abstract or placed) and its shardings; leaves other than the
+  step, parameters and optimizer state (the RL state's key) are left out."""
+  keep = ("step", "params", "opt_state")
+  state = {k: state[k] for k in keep}
+  lines = [f"# layout {lay.name}: " + lay.describe()]
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  specs = jax.tree_util.tree_leaves({k: shardings[k] for k in keep})
+  for (path, x), sh in zip(leaves, specs, strict=True):
     key = jax.tree_util.keystr(path, simple=True, separator="/")
     shape = ",".join(str(d) for d in x.shape)
     lines.append(f"{key}  {x.dtype}[{shape}]  {tuple(sh.spec)}")
   return "\n".join(lines) + "\n"
-
-
-def _mesh_text(parallel) -> str:
-  sizes = [f"{a}={int(parallel.mesh[a])}" for a in layouts.AXES if int(parallel.mesh[a]) > 1]
-  return ", ".join(sizes) or "all axes 1"
 
 
 def write_snapshots(config, directory: str) -> list[str]:
@@ -501,7 +426,7 @@ def compare(config) -> dict:
     lays[name] = make_layout(name, parallel)
     out = compile_layout(s, lays[name], sft=cmp.sft)
     compiled[name] = out.pop("compiled")
-    rows[name] = {"devices": lays[name].devices, "mesh": _mesh_text(parallel), **out}
+    rows[name] = {"devices": lays[name].devices, "mesh": layouts.describe(parallel.mesh), **out}
     c = out["cotrain"]
     print(
       f"{name:>24}: peak {c['peak_bytes'] / 2**20:8.2f} MiB, temp {c['temp_bytes'] / 2**20:8.2f} "
@@ -621,14 +546,14 @@ def plan_row(config, name: str, parallel) -> dict:
   try:
     out = compile_layout(s, lay, sft=False)
   except Exception as e:  # a layout that does not compile is reported, not hidden
-    return {"mesh": _mesh_text(parallel), "error": f"{type(e).__name__}: {e}"[:400]}
+    return {"mesh": layouts.describe(parallel.mesh), "error": f"{type(e).__name__}: {e}"[:400]}
   m = {a: int(parallel.mesh[a]) for a in layouts.AXES}
   # every device of a (data, fsdp) slice holds its rows; cp splits their tokens (each pipeline
   # stage sees every row of its slice)
   tokens = int(p.batch_size) // (m["data"] * m["fsdp"]) * int(p.seq_len) // m["cp"]
   return {
     "devices": lay.devices,
-    "mesh": _mesh_text(parallel),
+    "mesh": layouts.describe(parallel.mesh),
     "tokens_per_device": tokens,
     **out["cotrain"],
   }
@@ -646,7 +571,7 @@ def _plan_isolated(config, name: str, parallel) -> dict:
       return pool.submit(plan_row, config, name, parallel).result()
     except concurrent.futures.process.BrokenProcessPool:
       return {
-        "mesh": _mesh_text(parallel),
+        "mesh": layouts.describe(parallel.mesh),
         "error": "the compiler aborted the process (an XLA internal check failed; its message "
         "is on stderr above)",
       }

@@ -16,7 +16,6 @@ Shape letters as in policy.py; M microbatches of b = B/M rows.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -26,33 +25,8 @@ from jax.sharding import PartitionSpec
 
 from specdraft.model import policy as pol
 from specdraft.parallel import pipeline as pipe
-from specdraft.parallel.tap import MODES, TapChannel, TapPlan, stage_buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSpec:
-  """How the policy is pipelined (config section `parallel.pipeline`)."""
-
-  microbatches: int = 4
-  tap_mode: str = "direct"
-  tap_delay: bool = False
-  remat: bool = False
-  axis_name: str = "pp"
-
-  def __post_init__(self):
-    if not isinstance(self.microbatches, int) or self.microbatches < 1:
-      raise ValueError(f"parallel.pipeline.microbatches={self.microbatches!r} must be an int >= 1")
-    if self.tap_mode not in MODES:
-      raise ValueError(
-        f"parallel.pipeline.tap_mode={self.tap_mode!r} is unknown; expected one of {MODES}"
-      )
-    if self.tap_delay and self.tap_mode != "direct":
-      raise ValueError("parallel.pipeline.tap_delay=True only applies to tap_mode='direct'")
-
-  @classmethod
-  def from_config(cls, pipeline_cfg) -> PipelineSpec:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: pipeline_cfg[k] for k in names if k in pipeline_cfg})
+from specdraft.parallel.pipeline import PipelineSpec
+from specdraft.parallel.tap import TapChannel, TapPlan, stage_buffer
 
 
 def tap_plan(pcfg: pol.PolicyConfig, num_stages: int) -> TapPlan:

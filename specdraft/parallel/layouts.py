@@ -65,6 +65,11 @@ def layout(name: str) -> dict:
   }
 
 
+def describe(sizes) -> str:
+  """'fsdp=4, tensor=2': the axes of size > 1 of a mesh's sizes {axis: size}, in AXES order."""
+  return ", ".join(f"{a}={int(sizes[a])}" for a in AXES if int(sizes.get(a, 1)) > 1) or "all axes 1"
+
+
 # Used when the layout has pp > 1 (model/pipelined.py): M microbatches (GPipe bubble fraction
 # (P-1)/(M+P-1)), how taps reach the last stage (off | direct | bulk | hop), direct sends delayed
 # one iteration, rematerialised stage bodies.

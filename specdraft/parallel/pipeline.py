@@ -15,10 +15,38 @@ Nothing here knows about models: `stage_fn(stage_params, x, side) -> (y, taps or
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from specdraft.parallel.tap import TapChannel
+from specdraft.parallel.tap import MODES, TapChannel
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+  """How the policy is pipelined (config section `parallel.pipeline`)."""
+
+  microbatches: int = 4
+  tap_mode: str = "direct"
+  tap_delay: bool = False
+  remat: bool = False
+  axis_name: str = "pp"
+
+  def __post_init__(self):
+    if not isinstance(self.microbatches, int) or self.microbatches < 1:
+      raise ValueError(f"parallel.pipeline.microbatches={self.microbatches!r} must be an int >= 1")
+    if self.tap_mode not in MODES:
+      raise ValueError(
+        f"parallel.pipeline.tap_mode={self.tap_mode!r} is unknown; expected one of {MODES}"
+      )
+    if self.tap_delay and self.tap_mode != "direct":
+      raise ValueError("parallel.pipeline.tap_delay=True only applies to tap_mode='direct'")
+
+  @classmethod
+  def from_config(cls, pipeline_cfg) -> PipelineSpec:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: pipeline_cfg[k] for k in names if k in pipeline_cfg})
 
 
 def _is_varying(x, axis_name: str) -> bool:

@@ -31,8 +31,8 @@ from specdraft.decode import cost, engine
 from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
 from specdraft.model import drafts, eagle3
-from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import multihost
+from specdraft.parallel.layout import Layout
 from specdraft.rl import grpo
 from specdraft.tasks import Example, loader, make_task
 from specdraft.tasks import datasets as task_data
@@ -79,18 +79,14 @@ class Context:
     self.dcfg = drafts.draft_config(
       config.draft, self.pcfg, config.decode.num_draft, vocab_ids=self._draft_vocab()
     )
-    self.mesh = mesh_lib.make_mesh(config.parallel)
-    self.rules = [tuple(r) for r in config.parallel.rules]
-    self.rows_sh = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=2)
-    self.rows_sh1 = mesh_lib.rows_sharding(self.mesh, self.rules, ndim=1)
+    # The one owner of placement: mesh, rules, pipeline, cp (parallel/layout.py). Pipeline
+    # layouts (pp > 1) train the policy as a pipeline over 'pp' with the draft on the last stage;
+    # rollouts and evaluation run the unpipelined decoder.
+    self.layout = Layout.from_config(config.parallel)
+    self.mesh, self.rules, self.pipeline = self.layout.mesh, self.layout.rules, self.layout.pipeline
+    self.rows_sh = self.layout.rows_sharding(ndim=2)
+    self.rows_sh1 = self.layout.rows_sharding(ndim=1)
     self._lay_out_jit = {}
-    # Pipeline layouts (pp > 1): training steps run the policy as a pipeline over 'pp' with the
-    # draft on the last stage; rollouts and evaluation run the unpipelined decoder.
-    self.pipeline = None
-    if int(config.parallel.mesh.get("pp", 1)) > 1:
-      from specdraft.model.pipelined import PipelineSpec
-
-      self.pipeline = PipelineSpec.from_config(config.parallel.pipeline)
     # a pretrained tokenizer's bound from characters is loose: its prompts are measured instead
     prompts = None
     if not isinstance(self.tok, tok_lib.CharTokenizer):
@@ -100,7 +96,7 @@ class Context:
         self._check_sft_rows()
     self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
     # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
-    self.cp = sequence.cp_size(self.mesh)
+    self.cp = self.layout.cp
     cm = config.compute
     self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
     # Adaptive speculation (decode.speculation = auto): the acceptance each rollout's G choices
@@ -358,11 +354,11 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     units=c.data.batch_size,
     mesh=ctx.mesh,
     rules=ctx.rules,
-    sharding=mesh_lib.batch_sharding(ctx.mesh, ctx.rules, ndim=2),
+    sharding=ctx.layout.batch_sharding(ndim=2),
   )
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
   state = state_lib.init_state(
-    ctx.pcfg, tx, ctx.mesh, ctx.rules, c.seed, init_from=c.model.get("init_from", "") or ""
+    ctx.pcfg, tx, ctx.layout, c.seed, init_from=c.model.get("init_from", "") or ""
   )
   sh = state_lib.state_shardings(state)
   train_step = jax.jit(
@@ -398,25 +394,9 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
 
 
 def init_draft(ctx: Context, params):
-  """The draft's initial parameters (EAGLE-3's head and every kind's final norm start from the
-  policy's), sharded by the layout's rules (`state.draft_shardings`)."""
-  init = lambda p: drafts.init_params(ctx.dcfg, ctx.config.seed + 1, p, ctx.pcfg)
-  sh = state_lib.draft_shardings(ctx.dcfg, jax.eval_shape(init, params), ctx.mesh, ctx.rules)
-  return jax.jit(init, out_shardings=sh)(params)
-
-
-def _state_shardings(ctx: Context, tx, params, **scalars):
-  """Shardings of a phase state {step, params, opt_state, **scalars} whose parameters are placed
-  already: theirs, their moments', and replicated counters and scalars."""
-  replicated = state_lib.replicated(ctx.mesh)
-  sh = jax.tree.map(lambda x: x.sharding, params)
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  return {
-    "step": replicated,
-    "params": sh,
-    "opt_state": state_lib.opt_shardings(tx, abstract, sh, ctx.mesh),
-    **{k: replicated for k in scalars},
-  }
+  """The draft's initial parameters (`state.init_draft`: EAGLE-3's head and every kind's final
+  norm start from the policy's), sharded by the layout's rules."""
+  return state_lib.init_draft(ctx.dcfg, ctx.pcfg, params, ctx.layout, ctx.config.seed + 1)
 
 
 def rollout_temperatures(dc) -> tuple[float, ...]:
@@ -431,7 +411,7 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   """Distils the draft from the fixed SFT policy; returns (draft params, finished)."""
   c, dc = ctx.config, ctx.config.draft
   tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
-  state, sh = _keyed_state(ctx, tx, init_draft(ctx, params), c.seed + 2)
+  state, sh = state_lib.keyed_state(tx, init_draft(ctx, params), ctx.layout, c.seed + 2)
   temps = rollout_temperatures(dc)
   step_fns = {
     t: jax.jit(
@@ -526,23 +506,8 @@ def rl_state(ctx: Context, tx, params, dparams):
   them, counters and the key are replicated. The co-training step returns its state with the same
   shardings, so it compiles once, and under fsdp no device ever holds the whole optimizer state
   (left to the compiler, the zero moments of `tx.init` came out replicated)."""
-  return _keyed_state(ctx, tx, {"policy": params, "draft": dparams}, ctx.config.seed + 3)
-
-
-def _keyed_state(ctx: Context, tx, params, seed: int):
-  """({step, params, opt_state, key}, its shardings) for placed `params` (`_state_shardings`),
-  the key from `seed`."""
-  sh = _state_shardings(ctx, tx, params, key=None)
-  state = jax.jit(
-    lambda p: {
-      "step": jnp.zeros((), jnp.int32),
-      "params": p,
-      "opt_state": tx.init(p),
-      "key": jax.random.key_data(jax.random.key(seed)),
-    },
-    out_shardings=sh,
-  )(params)
-  return state, sh
+  params = {"policy": params, "draft": dparams}
+  return state_lib.keyed_state(tx, params, ctx.layout, ctx.config.seed + 3)
 
 
 def _rollout_step(ctx: Context):

@@ -11,10 +11,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
+from specdraft.model import drafts
 from specdraft.model import policy as pol
-from specdraft.parallel import mesh as mesh_lib
+from specdraft.parallel.layout import Layout
 from specdraft.tasks import tokenizer as tok_lib
 
 
@@ -39,16 +39,12 @@ def policy_config(config, tok=None) -> pol.PolicyConfig:
   return dataclasses.replace(cfg, eos_id=tok.eos_id)
 
 
-def replicated(mesh) -> NamedSharding:
-  return NamedSharding(mesh, PartitionSpec())
-
-
-def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int, *, init_from: str = ""):
+def init_state(pcfg: pol.PolicyConfig, tx, layout: Layout, seed: int, *, init_from: str = ""):
   """Abstract init -> shardings -> materialise sharded (never whole on one device). With
   `init_from` (a Hugging Face checkpoint directory of `pcfg`'s architecture) the parameters are
   that checkpoint's, each device's shard read from the files as it is placed."""
   abstract = jax.eval_shape(lambda: pol.init_params(pcfg, seed))
-  shardings = mesh_lib.tree_shardings(pol.param_logical_axes(abstract), abstract, rules, mesh)
+  shardings = policy_shardings(abstract, layout)
   if init_from:
     from specdraft.interop import hf
 
@@ -56,27 +52,39 @@ def init_state(pcfg: pol.PolicyConfig, tx, mesh, rules, seed: int, *, init_from:
     params = hf.load_params(init_from, pcfg, dtype=dtype, shardings=shardings)
   else:
     params = jax.jit(lambda: pol.init_params(pcfg, seed), out_shardings=shardings)()
-  # Moments follow their parameters; counters and other scalars are replicated on the mesh.
-  opt_state = jax.jit(tx.init, out_shardings=opt_shardings(tx, abstract, shardings, mesh))(params)
-  step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=replicated(mesh))()
-  return {"step": step, "params": params, "opt_state": opt_state}
+  sh = phase_state_shardings(tx, abstract, shardings, layout)
+  return jax.jit(
+    lambda p: {"step": jnp.zeros((), jnp.int32), "params": p, "opt_state": tx.init(p)},
+    out_shardings=sh,
+  )(params)
 
 
-def draft_shardings(dcfg, abstract_dparams, mesh, rules):
+def policy_shardings(abstract_params, layout: Layout):
+  """The policy's parameter shardings under the layout's rules (`policy.param_logical_axes`)."""
+  return layout.tree_shardings(pol.param_logical_axes(abstract_params), abstract_params)
+
+
+def draft_shardings(abstract_dparams, layout: Layout):
   """The draft's parameter shardings under the layout's rules (`drafts.param_logical_axes`:
   width over fsdp, heads and MLP over tensor, like the policy's layers)."""
-  from specdraft.model import drafts
-
-  logical = drafts.param_logical_axes(abstract_dparams)
-  return mesh_lib.tree_shardings(logical, abstract_dparams, rules, mesh)
+  return layout.tree_shardings(drafts.param_logical_axes(abstract_dparams), abstract_dparams)
 
 
-def opt_shardings(tx, abstract_params, param_shardings, mesh):
+def init_draft(dcfg, pcfg: pol.PolicyConfig, params, layout: Layout, seed: int):
+  """The draft's initial parameters (EAGLE-3's head and every kind's final norm start from the
+  policy's `params`), placed with `draft_shardings`."""
+  init = lambda p: drafts.init_params(dcfg, seed, p, pcfg)
+  return jax.jit(init, out_shardings=draft_shardings(jax.eval_shape(init, params), layout))(params)
+
+
+def opt_shardings(tx, abstract_params, param_shardings, layout: Layout):
   """Optimizer-state shardings: moments follow their parameters, counters are replicated.
 
   A leaf of the state is a parameter's moment when its path ends with that parameter's path and
   its shape is the parameter's (Adam's mu and nu, also inside `optax.chain`, `masked` and
-  `multi_transform` states, whose path names the parameter last); anything else is replicated."""
+  `multi_transform` states, whose path names the parameter last); anything else is replicated
+  (left to the compiler, the zero moments of `tx.init` come out replicated, so under fsdp every
+  device would hold the whole optimizer state)."""
   by_path = {
     tuple(path): (x.shape, sh)
     for (path, x), sh in zip(
@@ -92,9 +100,76 @@ def opt_shardings(tx, abstract_params, param_shardings, mesh):
       match = by_path.get(tuple(path[-n:])) if len(path) >= n else None
       if match is not None and match[0] == leaf.shape:
         return match[1]
-    return replicated(mesh)
+    return layout.replicated()
 
   return jax.tree_util.tree_map_with_path(follow, jax.eval_shape(tx.init, abstract_params))
+
+
+def phase_state_shardings(tx, abstract_params, param_shardings, layout: Layout, *scalars: str):
+  """Shardings of a phase's state {step, params, opt_state, *scalars}: the parameters',
+  their moments' (`opt_shardings`), and the step and every named scalar replicated."""
+  rep = layout.replicated()
+  return {
+    "step": rep,
+    "params": param_shardings,
+    "opt_state": opt_shardings(tx, abstract_params, param_shardings, layout),
+    **{k: rep for k in scalars},
+  }
+
+
+def keyed_state(tx, params, layout: Layout, seed: int):
+  """({step, params, opt_state, key}, its shardings) for placed `params`: they keep their
+  shardings, their moments follow them, the step and the key (from `seed`) are replicated. A step
+  that returns its state with these shardings compiles once."""
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  sh = phase_state_shardings(tx, abstract, state_shardings(params), layout, "key")
+  state = jax.jit(
+    lambda p: {
+      "step": jnp.zeros((), jnp.int32),
+      "params": p,
+      "opt_state": tx.init(p),
+      "key": jax.random.key_data(jax.random.key(seed)),
+    },
+    out_shardings=sh,
+  )(params)
+  return state, sh
+
+
+def cotrain_params(pcfg: pol.PolicyConfig, dcfg, seed: int = 0) -> dict:
+  """{policy, draft}: fresh co-training parameters (the policy from `seed`, the draft from
+  `seed + 1`, as `init_state` and `init_draft` draw them)."""
+  theta = pol.init_params(pcfg, seed)
+  return {"policy": theta, "draft": drafts.init_params(dcfg, seed + 1, theta, pcfg)}
+
+
+def cotrain_state_shardings(pcfg: pol.PolicyConfig, dcfg, tx, layout: Layout, seed: int = 0):
+  """(abstract state, its shardings) of the co-training step's {step, params: {policy, draft},
+  opt_state}: what the trainer's RL phase places (`init_state`'s policy, `init_draft`'s draft,
+  `keyed_state`'s moments), without materialising it (layout comparisons, sharding snapshots)."""
+
+  def init():
+    tr = cotrain_params(pcfg, dcfg, seed)
+    return {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
+
+  abstract = jax.eval_shape(init)
+  params = {
+    "policy": policy_shardings(abstract["params"]["policy"], layout),
+    "draft": draft_shardings(abstract["params"]["draft"], layout),
+  }
+  return abstract, phase_state_shardings(tx, abstract["params"], params, layout)
+
+
+def sft_state_shardings(pcfg: pol.PolicyConfig, tx, layout: Layout, seed: int = 0):
+  """(abstract state, its shardings) of the SFT step: `init_state`'s, abstract."""
+  abstract = jax.eval_shape(
+    lambda: {
+      "step": jnp.zeros((), jnp.int32),
+      "params": (p := pol.init_params(pcfg, seed)),
+      "opt_state": tx.init(p),
+    }
+  )
+  shardings = policy_shardings(abstract["params"], layout)
+  return abstract, phase_state_shardings(tx, abstract["params"], shardings, layout)
 
 
 def state_shardings(state):
