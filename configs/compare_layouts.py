@@ -86,11 +86,49 @@ def get_config(arg: str | None = None):
         target=600.0,
         what="seconds to plan every mesh (compile-only, 64 simulated devices)",
       ),
+      # weights sharded over cp (parallel.shard_weights_over_cp)
+      fsdp8_cp8_arguments=dict(
+        metric="meshes.fsdp8_cp8.argument_bytes",
+        fixed="2026-12-05",
+        op="<=",
+        target=20 * 2**30,
+        what="fsdp8_cp8's per-device arguments (parameters, Adam moments, batch), bytes: 20 GiB",
+      ),
+      cp8_fits_h200=dict(
+        metric="summary.cp8_least_arguments_plus_temp_bytes",
+        fixed="2026-12-05",
+        op="<=",
+        target=141e9,
+        what="arguments + temp per device of the best 64-device mesh with cp = 8, bytes (H200)",
+      ),
+      fsdp8_cp8_collectives=dict(
+        metric="summary.fsdp8_cp8_collective_ratio",
+        fixed="2026-12-05",
+        op="<=",
+        target=1.3,
+        what="fsdp8_cp8's collective bytes per step over the plan's at cee358a (2217.8e9 B, "
+        "weights replicated over cp)",
+      ),
+      fsdp8_cp8_reductions=dict(
+        metric="summary.fsdp8_cp8_reduction_ratio",
+        fixed="2026-12-05",
+        op="<=",
+        target=1.3,
+        what="fsdp8_cp8's all-reduce + reduce-scatter bytes per step over the all-reduce bytes at "
+        "cee358a (741.5 GiB)",
+      ),
+    ),
+    # The fsdp8_cp8 figures before weights were sharded over cp (plan.json at cee358a), the
+    # goals' reference.
+    baseline=dict(
+      fsdp8_cp8_collective_bytes=2217847007112.0, fsdp8_cp8_all_reduce_bytes=741.5 * 2**30
     ),
     meshes=dict(
       fsdp64=dict(fsdp=64),
       fsdp8_tp8=dict(fsdp=8, tensor=8),
       fsdp8_cp8=dict(fsdp=8, cp=8),
+      # the same mesh with the weights replicated over cp (the layout before the rule), side by side
+      fsdp8_cp8_replicated=dict(fsdp=8, cp=8, shard_weights_over_cp=False),
       tp8_cp8=dict(tensor=8, cp=8),
       pp8_fsdp8=dict(pp=8, fsdp=8),
     ),

@@ -413,6 +413,17 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
     if getattr(m, field) % tp:
       name = f"model.{field}" if imported is None else f"model.init_from's {hf_name}"
       _fail(name, getattr(m, field), f"must be divisible by tensor={tp}")
+  over_cp = p.get("shard_weights_over_cp", True)
+  if not isinstance(over_cp, bool):
+    _fail("parallel.shard_weights_over_cp", over_cp, "must be True or False")
+  width = int(p.mesh.fsdp) * (cp if over_cp else 1)
+  if m.d_model % width:
+    why = (
+      f"fsdp*cp={width} (parallel.shard_weights_over_cp=True)"
+      if over_cp and cp > 1
+      else (f"fsdp={width}")
+    )
+    _fail("model.d_model", m.d_model, f"must be divisible by {why}: the weights' width is sharded")
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
     _validate_pipeline(config, pp, m)

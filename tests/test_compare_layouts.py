@@ -366,6 +366,59 @@ def test_the_trainers_own_state_matches_its_snapshot(name, snapshot_setup):
   assert cl.render_snapshot(lay, state, sh) == got
 
 
+def test_weights_are_sharded_over_cp_and_a_cp8_checkpoint_restores_under_dp8(tmp_path):
+  """With parallel.shard_weights_over_cp (default on) the cp ranks hold different slices of every
+  parameter and moment (the 'embed' rule is (fsdp, cp)); a checkpoint written under cp8 restores
+  under dp8 (orbax reshards to the target shardings) bit for bit, and dp8's compiled step runs on
+  the restored state exactly as on the same values placed directly."""
+  from specdraft.train.checkpoint import Checkpointer
+
+  s = cl.make_setup(compare_config.get_config("smoke"))
+  cp8, dp8 = (cl.make_layout(n, cl.named_parallel(n)) for n in ("cp8", "dp8"))
+  policy = state_lib.init_state(s.pcfg, s.sft_tx, cp8, 0)["params"]
+  draft = state_lib.init_draft(s.dcfg, s.pcfg, policy, cp8, 1)
+  state, _ = state_lib.keyed_state(s.cotrain_tx, {"policy": policy, "draft": draft}, cp8, 3)
+  wq = state["params"]["policy"]["layers"]["wq"]
+  assert wq.sharding.spec[1] == "cp" and wq.addressable_shards[0].data.shape[1] == 32 // 8
+  # the moments follow: no device holds a whole Adam moment of a width-sharded weight
+  mus = [
+    x
+    for p, x in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+    if jax.tree_util.keystr(p).endswith("['policy']['layers']['wq']")
+  ]
+  assert mus and all(m.sharding.spec[1] == "cp" for m in mus)
+  # without the rule the same layout replicates them over cp
+  flat = cl.named_parallel("cp8")
+  flat.shard_weights_over_cp = False
+  _, sh = state_lib.cotrain_state_shardings(
+    s.pcfg, s.dcfg, s.cotrain_tx, cl.make_layout("cp8", flat)
+  )
+  assert sh["params"]["policy"]["layers"]["wq"].spec == PartitionSpec(None, None, None, None)
+
+  saved = {k: state[k] for k in ("step", "params", "opt_state")}
+  ck = Checkpointer(str(tmp_path / "ckpt"))
+  ck.save(0, saved, {"data_iter": None})
+  abstract, dp8_sh = cl.cotrain_state_shardings(s, dp8)
+  target = jax.tree.map(
+    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, dp8_sh
+  )
+  step, restored, _ = ck.restore_latest(target)
+  ck.close()
+  assert step == 0
+  host = jax.device_get(saved)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), host)
+  for x, sh in zip(jax.tree.leaves(restored), jax.tree.leaves(dp8_sh), strict=True):
+    assert x.sharding.is_equivalent_to(sh, x.ndim), (x.sharding, sh)
+
+  batch, batch_sh = cl.laid_out_batch(s, dp8)
+  fn = cl.cotrain_program(s, dp8, dp8_sh, batch_sh)
+  batch = jax.device_put(batch, batch_sh)
+  after, m1 = jax.device_get(fn(restored, batch))
+  again, m2 = jax.device_get(fn(jax.device_put(host, dp8_sh), batch))
+  jax.tree.map(np.testing.assert_array_equal, (after, m1), (again, m2))
+  assert np.isfinite(m1["loss"])
+
+
 def test_snapshot_names_every_leaf_with_its_spec(snapshot_setup):
   text = cl.snapshot_text(
     snapshot_setup, cl.make_layout("fsdp4_tp2", cl.named_parallel("fsdp4_tp2"))

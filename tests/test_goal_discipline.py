@@ -14,7 +14,9 @@ from specdraft.bench import provenance
 
 ROOT = provenance.repo_root()
 RESULTS = sorted(
-  os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/results/*/results.json"))
+  os.path.relpath(p, ROOT)
+  for name in ("results.json", "plan.json")  # plan.json: compare_layouts --plan
+  for p in glob.glob(os.path.join(ROOT, "docs/results/*", name))
 )
 
 
@@ -79,6 +81,16 @@ def test_a_moved_goal_is_caught(tmp_path):
     git("commit", "-qm", f"run at {target}", "--allow-empty")
   history = goal_lib.recorded_history(path, str(tmp_path))
   assert [v["target"] for v in history["ratio"]] == [1.15, 1.1]
+
+
+def test_a_subrun_is_judged_by_its_own_goals_only():
+  """compare_layouts' comparison and its --plan share one config: each is judged by its own."""
+  base = "python experiments/compare_layouts.py --config=configs/compare_layouts.py"
+  plan = goal_lib.goals_for_command(base + " --plan --workdir=x")
+  comparison = goal_lib.goals_for_command(base + " --workdir=x")
+  assert "wall_time" in plan and "fsdp8_cp8_arguments" in plan
+  assert "fsdp8_cp8_arguments" not in comparison and "parity" in comparison
+  assert plan["wall_time"]["target"] == 600.0 and comparison["wall_time"]["target"] == 1200.0
 
 
 def test_later_goals_are_judged_on_the_files_figures_and_missing_ones_not_measured():

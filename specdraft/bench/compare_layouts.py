@@ -579,7 +579,10 @@ def _plan_isolated(config, name: str, parallel) -> dict:
 
 def _plan_parallel(name: str, sizes, plan_cfg) -> ml_collections.ConfigDict:
   p = config_lib.layout_config("single")
-  for axis, size in dict(sizes).items():
+  sizes = dict(sizes)
+  if "shard_weights_over_cp" in sizes:
+    p.shard_weights_over_cp = bool(sizes.pop("shard_weights_over_cp"))
+  for axis, size in sizes.items():
     if axis not in layouts.AXES:
       raise ValueError(
         f"config.compare.plan.meshes[{name!r}] has axis {axis!r}; valid axes are {layouts.AXES}"
@@ -614,6 +617,7 @@ def run_plan(config, workdir: str) -> dict:
     "summary": {
       "wall_seconds": time.perf_counter() - t0,
       "meshes_compiled": sum("error" not in r for r in rows.values()),
+      **_plan_summary(rows, p.get("baseline", {})),
     },
   }
   results = provenance.write_results(
@@ -625,6 +629,32 @@ def run_plan(config, workdir: str) -> dict:
   print(text, flush=True)
   print(provenance.goals_table(results["goals"]), flush=True)
   return results
+
+
+def _plan_summary(rows: dict, baseline) -> dict:
+  """The figures the plan's goals read: the least arguments + temp per device over the compiled
+  meshes with cp = 8 (weights sharded over cp), and fsdp8_cp8's collective and reduction bytes
+  over `baseline`'s."""
+  out = {}
+  cp8 = {
+    n: r["argument_bytes"] + r["temp_bytes"]
+    for n, r in rows.items()
+    if "error" not in r and "cp=8" in r["mesh"] and not n.endswith("_replicated")
+  }
+  if cp8:
+    best = min(cp8, key=cp8.get)
+    out.update(cp8_least_arguments_plus_temp_bytes=cp8[best], cp8_least_mesh=best)
+  r = rows.get("fsdp8_cp8", {})
+  if "error" not in r and r and baseline:
+    reduce = sum(r["collectives"].get(k, {}).get("sent_bytes", 0.0) for k in REDUCTIONS)
+    out.update(
+      fsdp8_cp8_collective_ratio=r["collective_bytes"] / baseline["fsdp8_cp8_collective_bytes"],
+      fsdp8_cp8_reduction_ratio=reduce / baseline["fsdp8_cp8_all_reduce_bytes"],
+    )
+  return out
+
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
 def _plan_pcfg(config) -> pol.PolicyConfig:
@@ -669,7 +699,11 @@ def table(results) -> str:
 
 def plan_table(results) -> str:
   kinds = hlo.COLLECTIVE_KINDS
-  head = "| mesh | tokens/device | argument | temp | peak | " + " | ".join(kinds) + " |"
+  head = (
+    "| mesh | tokens/device | argument | temp | peak | argument + temp | H100 80 GB | H200 141 GB | "
+    + " | ".join(kinds)
+    + " |"
+  )
   lines = [
     f"policy parameters: {results['policy_parameters'] / 1e9:.1f} B; GiB per device",
     "",
@@ -679,10 +713,12 @@ def plan_table(results) -> str:
   gib = lambda n: f"{n / 2**30:.2f}"
   for name, r in results["meshes"].items():
     if "error" in r:
-      lines.append(f"| {name} | {r['error'][:60]} |" + " |" * (len(kinds) + 3))
+      lines.append(f"| {name} | {r['error'][:60]} |" + " |" * (len(kinds) + 6))
       continue
     cells = [name, str(r.get("tokens_per_device", "-"))]
     cells += [gib(r[k]) for k in ("argument_bytes", "temp_bytes", "peak_bytes")]
+    need = r["argument_bytes"] + r["temp_bytes"]
+    cells += [gib(need)] + [("fits" if need <= hbm else "over") for hbm in (80e9, 141e9)]
     cells += [gib(r["collectives"][k]["sent_bytes"]) for k in kinds]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)

@@ -26,10 +26,12 @@ from specdraft.bench import provenance
 _CONFIG = re.compile(r"--config=configs/(\w+)\.py(?::(\S+))?")
 
 
-def config_goals(config) -> dict[str, dict]:
+def config_goals(config, *, within: str | None = None, skip: tuple[str, ...] = ()) -> dict:
   """Every goal of a config: the union of all its `goals` mappings, at any depth. Where two
   mappings define different goals of one name, the shallower keeps the name and the deeper one's
-  is qualified by the key above it (compare_layouts: `wall_time` and `plan.wall_time`)."""
+  is qualified by the key above it. `within`: only the goals under a key of that name (a run that
+  one config's subtree drives, e.g. compare_layouts' `--plan` under `compare.plan`); `skip`: none
+  under keys of these names."""
   found: list[tuple[int, str, str, dict]] = []
 
   def walk(node, path):
@@ -38,7 +40,11 @@ def config_goals(config) -> dict[str, dict]:
       return
     for key, value in node.items():
       value = value.to_dict() if hasattr(value, "to_dict") else value
+      if key in skip:
+        continue
       if key == "goals" and isinstance(value, Mapping):
+        if within is not None and within not in path:
+          continue
         for name, goal in value.items():
           found.append((len(path), path[-1] if path else "", name, dict(goal)))
       else:
@@ -65,8 +71,20 @@ def config_for_command(command: str):
   return module.get_config(m.group(2))
 
 
+# Runs that a subtree of their experiment's config drives, named by the flag that selects them
+# ({flag: subtree key}): their results are judged by that subtree's goals only, and the
+# experiment's other runs by every goal outside it.
+SUBRUNS = {"--plan": "plan"}
+
+
 def goals_for_command(command: str) -> dict[str, dict]:
-  return config_goals(config_for_command(command))
+  """The goals of the run `command` made, as its config defines them now."""
+  config = config_for_command(command)
+  args = command.split()
+  for flag, key in SUBRUNS.items():
+    if flag in args:
+      return config_goals(config, within=key)
+  return config_goals(config, skip=tuple(SUBRUNS.values()))
 
 
 def check_goal(name: str, goal: Mapping[str, Any]) -> None:

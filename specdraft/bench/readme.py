@@ -1053,18 +1053,38 @@ def plan_layouts(r: dict) -> str:
   rows = []
   for name, x in r["meshes"].items():
     if "error" in x:
-      rows.append([name, x.get("mesh", ""), "does not compile: " + x["error"][:90]] + [""] * 9)
+      rows.append([name, x.get("mesh", ""), "does not compile: " + x["error"][:90]] + [""] * 12)
       continue
     cells = [name, x["mesh"], str(x.get("tokens_per_device", "-"))]
     cells += [_gib(x[k]) for k in ("argument_bytes", "temp_bytes")]
-    cells += [_gib(x["peak_bytes"])] + [_gib(x["collectives"][k]["sent_bytes"]) for k in kinds]
+    need = x["argument_bytes"] + x["temp_bytes"]
+    cells += [_gib(x["peak_bytes"]), _gib(need)]
+    cells += [("fits" if need <= hbm else "over") for hbm in (80e9, 141e9)]
+    cells += [_gib(x["collectives"][k]["sent_bytes"]) for k in kinds]
     cells += [f"{x['compile_seconds']:.0f}"]
     rows.append(cells)
   table = _table(
-    ["mesh", "axes", "tokens/device", "arguments", "temp", "peak", *kinds, "compile s"],
+    [
+      "mesh",
+      "axes",
+      "tokens/device",
+      "arguments",
+      "temp",
+      "peak",
+      "arguments + temp",
+      "H100 (80 GB)",
+      "H200 (141 GB)",
+      *kinds,
+      "compile s",
+    ],
     rows,
   )
-  return head + "\n\n" + table
+  note = (
+    "A mesh whose name ends in `_replicated` keeps the weights and optimizer state replicated over "
+    "cp (`parallel.shard_weights_over_cp=False`); every other mesh with cp > 1 shards them over "
+    "(fsdp, cp). The H100 and H200 columns compare arguments + temp with the card's memory."
+  )
+  return head + "\n\n" + note + "\n\n" + table
 
 
 def cost_model(r: dict) -> str:
@@ -1159,8 +1179,9 @@ def render(root: str) -> str:
     r = _load(root, rel)
     if r is None:
       continue
-    # goals as the config defines them now (plan.json and config-less commands judge none)
-    judge_now = "--config=configs/" in r.get("command", "") and rel.endswith("results.json")
+    # goals as the config defines them now, for the run the command made (config-less commands
+    # judge none)
+    judge_now = "--config=configs/" in r.get("command", "")
     fixed_now = goal_lib.goals_for_command(r["command"]) if judge_now else {}
     fresh = freshness(r, root)
     section = [fn(r, os.path.dirname(rel)), goals(r, fixed_now), source(r, rel) + " " + fresh]

@@ -24,6 +24,22 @@ from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel.pipeline import PipelineSpec
 
 
+def weights_over(rules: tuple, axis: str, mesh) -> tuple:
+  """`rules` with `axis` added to the parameters' width rule ('embed') when the mesh has it with
+  size > 1: weights and their optimizer state are then sharded over it too. Every other rule is
+  unchanged; only parameters carry the 'embed' logical axis (activations are placed by 'batch',
+  'length' and 'rows')."""
+  if int(mesh.shape.get(axis, 1)) <= 1:
+    return rules
+  out = []
+  for name, axes in rules:
+    if name == "embed":
+      axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+      axes = axes if axis in axes else (*axes, axis)
+    out.append((name, axes))
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How a run is laid out over its devices (built once from `config.parallel`).
@@ -52,6 +68,8 @@ class Layout:
     rules = tuple(
       (r[0], r[1] if isinstance(r[1], str | None) else tuple(r[1])) for r in parallel.rules
     )
+    if bool(parallel.get("shard_weights_over_cp", True)):
+      rules = weights_over(rules, "cp", mesh)
     return cls(name or parallel.get("name", "custom"), parallel, mesh, rules, pipeline)
 
   @property
@@ -82,6 +100,20 @@ class Layout:
   def tree_shardings(self, logical_tree, shapes_tree):
     """Shardings of a parameter pytree from its logical axes (`param_logical_axes`)."""
     return mesh_lib.tree_shardings(logical_tree, shapes_tree, self.rules, self.mesh)
+
+  def decode_shardings(self, shardings):
+    """The shardings a decoding loop reads weights with: each parameter's spec with every mesh
+    axis but 'tensor' dropped. A rollout places its weights so once (one all-gather over fsdp, cp
+    and pp per rollout) instead of leaving the loop to gather them on every round."""
+
+    def keep_tensor(sh):
+      spec = []
+      for axes in sh.spec:
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a == "tensor")
+        spec.append(kept[0] if kept else None)
+      return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(keep_tensor, shardings)
 
   def describe(self) -> str:
     """'fsdp=4, tensor=2': the mesh axes of size > 1."""

@@ -51,6 +51,7 @@ def layout(name: str) -> dict:
   entry points simulate the devices a layout needs (specdraft/devices.py); `mesh.check_mesh`
   says what to do when they are missing.
   `pipeline` configures the microbatched pipeline over 'pp' (ignored when pp = 1).
+  `shard_weights_over_cp` folds 'cp' into the parameters' 'embed' rule when cp > 1.
   """
   if name not in LAYOUTS:
     raise ValueError(f"parallel.layout={name!r} is unknown; expected one of {sorted(LAYOUTS)}")
@@ -61,6 +62,10 @@ def layout(name: str) -> dict:
     "devices": 0,
     "mesh": sizes,
     "rules": [list(r) for r in DEFAULT_RULES],
+    # With cp > 1, parameters and optimizer state are also sharded over 'cp' (the 'embed' rule
+    # becomes (fsdp, cp)): the cp ranks of a row hold different slices of the weights, as the fsdp
+    # ranks do, and gather them for the step (parallel/layout.py).
+    "shard_weights_over_cp": True,
     "pipeline": dict(PIPELINE_DEFAULTS, microbatches=2 * sizes["pp"]),
   }
 

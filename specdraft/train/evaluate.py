@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from specdraft.decode import autoregressive, engine
+from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
 from specdraft.parallel import multihost
 from specdraft.tasks import CharTokenizer, loader
@@ -100,17 +100,15 @@ def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = Fal
   per round from the run's cost model and the acceptance its rollouts carried)."""
   c = ctx.config
   prompts_BS, lengths_B = held_out_prompts(ctx)
+  placed = ctx.for_decoding({"policy": params, "draft": dparams})  # as the rollouts read them
+  params, dparams = placed["policy"], placed["draft"]
   auto = c.decode.speculation == "auto"
   engine_kw = None
   if as_run:
     engine_kw = dict(
-      compact=c.decode.compact,
-      min_rows=c.decode.min_rows,
-      adaptive=auto,
-      window=c.decode.get("catch_up_window", 8),
+      ctx.engine_settings(adaptive=auto),
       cost=ctx.cost_model({"policy": params, "draft": dparams}) if auto else None,
       prior=ctx.acceptance if auto else None,
-      rows=engine.Rows(ctx.mesh, ctx.rows_sh1.spec[0]) if ctx.mesh.size > 1 else None,
     )
   return compare_rollouts(
     params,

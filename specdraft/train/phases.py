@@ -203,6 +203,31 @@ class Context:
   def log(self, name: str) -> RunLog:
     return RunLog(os.path.join(self.workdir, name))
 
+  def engine_settings(self, *, adaptive: bool) -> dict:
+    """The decoding engine's settings every rollout-shaped decode of this run shares (the RL
+    rollouts, the final report's as-run arms): compaction, the smallest bucket, adaptive G and
+    its catch-up window, and the rows' placement on the mesh."""
+    d = self.config.decode
+    return dict(
+      adaptive=adaptive,
+      compact=d.compact,
+      min_rows=d.min_rows,
+      window=d.get("catch_up_window", 8),
+      rows=engine.Rows(self.mesh, self.rows_sh1.spec[0]) if self.mesh.size > 1 else None,
+    )
+
+  def for_decoding(self, params):
+    """`params` placed as a decoding loop reads them (`Layout.decode_shardings`: gathered over
+    fsdp, cp and pp, split over tensor only), once per call: a rollout gathers its weights once,
+    not on every round of its loop."""
+    if self.mesh.size == 1:
+      return params
+    sh = self.layout.decode_shardings(jax.tree.map(lambda x: x.sharding, params))
+    key = ("decode", jax.tree.structure(params))
+    if key not in self._lay_out_jit:
+      self._lay_out_jit[key] = jax.jit(lambda p: p, out_shardings=sh)
+    return self._lay_out_jit[key](params)
+
   def cost_model(self, trainable) -> cost.CostModel:
     """The cost model of a rollout round, calibrated on first use at this run's rollout shapes
     (cached under workdir/cost; in a multi-process run process 0's coefficients are everyone's,
@@ -523,11 +548,7 @@ def _rollout_step(ctx: Context):
     top_k=c.rl.top_k,
     top_p=c.rl.top_p,
     num_draft=c.decode.num_draft if sd else 0,
-    adaptive=auto,
-    compact=c.decode.compact,
-    min_rows=c.decode.min_rows,
-    window=c.decode.get("catch_up_window", 8),
-    rows=engine.Rows(ctx.mesh, ctx.rows_sh1.spec[0]) if ctx.mesh.size > 1 else None,
+    **ctx.engine_settings(adaptive=auto),
   )
 
   @jax.jit
@@ -543,6 +564,7 @@ def _rollout_step(ctx: Context):
 
   def rollout_step(trainable, key_data, prompts_BS, lengths_B):
     key_data, sub = split(key_data)
+    trainable = ctx.for_decoding(trainable)
     cost = ctx.cost_model(trainable) if auto else None
     gen = engine.generate(
       trainable["policy"],
