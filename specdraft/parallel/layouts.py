@@ -35,6 +35,7 @@ LAYOUTS = {
   "cp4": {"cp": 4},
   "cp8": {"cp": 8},
   "cp4_dp2": {"cp": 4, "data": 2},
+  "fsdp2_cp4": {"fsdp": 2, "cp": 4},  # parameters and moments over (fsdp, cp): 8 ways
   "pp2": {"pp": 2},
   "pp4": {"pp": 4},
   "pp4_dp2": {"pp": 4, "data": 2},
