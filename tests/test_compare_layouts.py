@@ -462,6 +462,34 @@ def test_long_rows_leave_no_quadratic_or_vocabulary_sized_buffer(name):
   assert largest(0) >= local * V
 
 
+def _reductions(name, vocab_chunk):
+  """All-reduce and reduce-scatter executions per compiled co-training step under `name`."""
+  c = compare_config.get_config("smoke")
+  c.model.vocab_size = 512
+  c.compute.vocab_chunk = vocab_chunk
+  s = cl.make_setup(c, batch_size=16, seq_len=64, host_batch=False)
+  lay = cl.make_layout(name, cl.named_parallel(name))
+  text = cl.compile_layout(s, lay, sft=False)["compiled"].as_text()
+  return sum(
+    x.runs for x in hlo_lib.collectives(text) if x.kind in ("all-reduce", "reduce-scatter")
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp4_dp2", "pp2_cp2_dp2"])
+def test_pipelined_vocabulary_loops_reduce_once(name, monkeypatch):
+  """The pipelined step's vocabulary loops (64 tokens in 8 chunks) run as many reductions per
+  step as with whole-row logits: the head's gradient is summed once per loop, not per chunk.
+  Negative control: without the rows-local loops (`parallel.mesh.rows_local` off) the chunked
+  step reduces more often (the check sees per-chunk reductions)."""
+  from specdraft.parallel import mesh as mesh_lib
+
+  whole = _reductions(name, 0)
+  assert _reductions(name, 8) == whole
+  monkeypatch.setattr(mesh_lib, "rows_local", lambda mesh, rules=None: None)
+  assert _reductions(name, 8) > whole
+
+
 @pytest.mark.parametrize("name", ["cp4_dp2", "fsdp2_dp4"])
 def test_rollout_rows_are_sharded_over_every_batch_axis(name):
   """The compiled rollout (the engine's first stage: prefill and SD rounds) under the layout's

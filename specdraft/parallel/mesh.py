@@ -247,9 +247,9 @@ def rows_local(mesh, rules=None):
   boundary sums it over the devices once (its transpose of an input whole on every device),
   where the compiler, left to itself, reduces a weight-sized gradient on every iteration of the
   loop (and gathers the weight on every iteration too). Inside the cp steps' shard_map it nests,
-  manual over the batch axes that are automatic there. The pipelined steps do not use it: nested in
-  the pipeline's shard_map, which checks varying axes, it loses the annotations of the
-  cotangents it returns."""
+  manual over the batch axes that are automatic there, and so in the pipelined steps' (whose
+  shard_map leaves varying axes unchecked for it: the cotangents it returns carry no
+  annotations)."""
   if mesh is None or mesh.size == 1:
     return None
   axes = _batch_axes(mesh, rules)

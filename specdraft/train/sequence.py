@@ -250,19 +250,19 @@ def run_pipelined(
   whole = mesh_lib.metadata_constraint(mesh)
   over_cp = dict(cp=cp, axis="cp") if cp > 1 else {}
   shards = Shards(tile=tile, constrain=pin, whole=whole, **over_cp)
-  # (the last stage's vocabulary loops run as they are: `mesh.rows_local`'s shard_map nested in
-  # the pipeline's, which checks varying axes, loses its cotangents' annotations)
-  return pipelined.loss(
-    theta,
-    extra,
-    batch,
-    objective,
-    pcfg=pcfg,
-    mesh=mesh,
-    spec=pipeline,
-    shards=shards,
-    **pipeline_options,
-  )
+  # the last stage's vocabulary loops run rows-local, as in `run`: one reduction per loop
+  with chunked.rows_local(mesh_lib.rows_local(mesh)):
+    return pipelined.loss(
+      theta,
+      extra,
+      batch,
+      objective,
+      pcfg=pcfg,
+      mesh=mesh,
+      spec=pipeline,
+      shards=shards,
+      **pipeline_options,
+    )
 
 
 # ----------------------------------------------------------------------------- the policy
