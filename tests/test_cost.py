@@ -191,3 +191,24 @@ def test_decoding_settings_are_validated_before_any_work(field, value, match):
   c.decode[field] = value
   with pytest.raises(ValueError, match=match):
     config_lib.validate(c)
+
+
+def test_the_shallow_policy_of_a_calibration_carries_the_draft():
+  """The calibration's second depth taps as many distinct layers as the draft fuses, so SD rounds
+  run on it with the same draft (and a policy too shallow for that has no shallow SD rounds)."""
+  c = default.get_config("size=tiny")
+  c.model.n_layers = 6
+  pcfg = pol.PolicyConfig.from_config(c.model, 64)
+  dcfg = drafts.draft_config(c.draft, pcfg, 3)
+  params = pol.init_params(pcfg, 0)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  sparams, scfg = cost.shallow_policy(params, pcfg, 3, n_taps=len(pcfg.taps))
+  assert scfg.n_layers == 3 and len(set(scfg.taps)) == len(pcfg.taps) == dcfg.n_taps
+  assert jax.tree.leaves(sparams["layers"])[0].shape[0] == 3
+  assert cost.shallow_policy(params, pcfg, 2, n_taps=3) is None
+  (ar, sd) = cost.time_rounds(
+    sparams, dparams, scfg, dcfg, rows=(2,), num_drafts=(2,), prompt_len=4, new_tokens=6,
+    repeats=1,
+  )  # fmt: skip
+  assert (ar["model"], sd["model"], sd["tokens"]) == ("ar", "sd", 2)
+  assert 0 < ar["seconds"] < 1 and 0 < sd["seconds"] < 1

@@ -25,9 +25,10 @@ bookkeeping). An AR step is one policy
 pass over one token plus the same own work at G = 0.
 
 The ten machine coefficients are fitted by `calibrate` from timed passes of both models and timed
-AR steps and SD rounds at a few (rows, G) on the machine at hand, plus passes and AR steps of the
-policy cut to half its layers, so that what a pass costs and what a layer costs can be told
-apart (a minute or two; cached per config, backend and JAX version). The rates are shared by the
+AR steps and SD rounds at a few (rows, G) on the machine at hand, plus passes, AR steps and SD
+rounds of the policy cut to half its layers (the draft tapping as many of its layers), so that
+what a pass costs, what a layer costs and what a drafted token costs a round can be told apart
+(a minute or two; cached per config, backend and JAX version). The rates are shared by the
 policy and the draft, the fixed costs per pass and per layer are each model's own, and a round's
 own work has a per-layer part; every coefficient is per layer or per unit of work, so the model
 carries over to a policy size it was not fitted on.
@@ -335,12 +336,19 @@ class Grid:
   shallow: bool = True
 
 
-def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int):
+def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int, n_taps: int | None = None):
   """(params, config) of the policy's first `layers` layers, its embedding, norm and head kept
-  (a second depth to calibrate on; its outputs mean nothing)."""
+  (a second depth to calibrate on; its outputs mean nothing). With `n_taps` (a draft's), it taps
+  that many distinct layers spread over its depth, so the draft runs on it as on the policy
+  (None when it is shallower than that)."""
   cut = dict(params)
   cut["layers"] = jax.tree.map(lambda x: x[:layers], params["layers"])
-  return cut, dataclasses.replace(pcfg, n_layers=layers, tap_layers=None)
+  taps = None
+  if n_taps is not None:
+    if layers < n_taps:
+      return None
+    taps = tuple(int(t) for t in np.linspace(0, layers - 1, n_taps).round())
+  return cut, dataclasses.replace(pcfg, n_layers=layers, tap_layers=taps)
 
 
 def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> list[dict]:
@@ -378,11 +386,18 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
             layers=depth,
           )
         )  # fmt: skip
-    ar = time_rounds(
-      sparams, None, scfg, None, rows=grid.round_rows, num_drafts=(),
-      prompt_len=grid.prompt_len, new_tokens=new_tokens, repeats=3,
+    # AR steps and SD rounds of the shallower policy with the same draft (tapping as many layers
+    # of it): with rounds timed at one depth only, what a round costs per policy layer and what
+    # it costs per drafted token (the rows' distributions, verification) cannot be told apart
+    shallow = shallow_policy(params, pcfg, depth, n_taps=len(pcfg.taps) if dcfg else None)
+    sd = shallow is not None and dcfg is not None
+    sparams, scfg = shallow if sd else (sparams, scfg)
+    rounds = time_rounds(
+      sparams, dparams if sd else None, scfg, dcfg if sd else None, rows=grid.round_rows,
+      num_drafts=grid.round_G if sd else (), prompt_len=grid.prompt_len,
+      new_tokens=new_tokens, repeats=3,
     )  # fmt: skip
-    out += [dict(p, layers=depth) for p in ar]
+    out += [dict(p, layers=depth) for p in rounds]
   return out
 
 
@@ -404,44 +419,61 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
     prompts, lengths = jnp.asarray(prompts), jnp.full((b,), prompt_len, jnp.int32)
     key = jax.random.key(b)
     spec = autoregressive.Spec(pcfg, new_tokens, sm)
-    s = _time_stage(
-      lambda: engine.init_jit(params, None, prompts, lengths, key, spec=spec),
-      lambda c: engine.run_jit(params, None, c, None, jnp.int32(0), spec=spec, sampler=None),
-      repeats,
-    )
-    out.append(dict(model="ar", rows=b, tokens=0, capacity=prompt_len + new_tokens, seconds=s))
+    stages = [
+      (
+        dict(model="ar", rows=b, tokens=0, capacity=prompt_len + new_tokens),
+        lambda spec=spec: engine.init_jit(params, None, prompts, lengths, key, spec=spec),
+        lambda c, spec=spec: engine.run_jit(
+          params, None, c, None, jnp.int32(0), spec=spec, sampler=None
+        ),
+      )
+    ]
     for G in num_drafts:
       spec = speculative.Spec(pcfg, dcfg, new_tokens, G, False, sm)
       choice = speculative.Choice.of(spec, None, None)
-      s = _time_stage(
-        lambda: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec),
-        lambda c: engine.run_jit(
-          params, dparams, c, choice, jnp.int32(0), spec=spec, sampler=rejection_sample
-        ),
-        repeats,
+      stages.append(
+        (
+          dict(model="sd", rows=b, tokens=G, capacity=prompt_len + new_tokens + G + 2),
+          lambda spec=spec: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec),
+          lambda c, spec=spec, choice=choice: engine.run_jit(
+            params, dparams, c, choice, jnp.int32(0), spec=spec, sampler=rejection_sample
+          ),
+        )
       )
-      cap = prompt_len + new_tokens + G + 2
-      out.append(dict(model="sd", rows=b, tokens=G, capacity=cap, seconds=s))
+    seconds = _time_stages([(init, stage) for _, init, stage in stages], repeats)
+    out += [dict(point, seconds=s) for (point, _, _), s in zip(stages, seconds)]
     # every stage here is its own compile: hundreds of executables held at once exhausted the
     # process's memory mappings on this CPU (an LLVM allocation abort), so they go per row count
     jax.clear_caches()
   return out
 
 
-def _time_stage(init, stage, repeats: int) -> float:
-  """Seconds per round of `stage` run from `init`'s carry (compiled and warmed first): the fastest
-  of `repeats` runs, as `_time_loop`."""
-  carry = jax.block_until_ready(init())
-  jax.block_until_ready(stage(carry))
-  ts = []
-  for _ in range(repeats):
-    carry = jax.block_until_ready(init())
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(stage(carry))
-    st = out["stats"]
-    rounds = int(st["rounds"]) if "rounds" in st else int(st["policy_passes"]) - 1
-    ts.append((time.perf_counter() - t0) / max(rounds, 1))
-  return float(np.min(ts))
+def _time_stages(stages, repeats: int, min_s: float = 0.2) -> list[float]:
+  """Seconds per round of each (init, stage) pair, a stage run from its init's carry (each compiled
+  and warmed first). The pairs are timed in turn, `repeats` times round the list and on until
+  each has run for `min_s` in all, and each keeps its fastest run, as `_time_loop`: a burst of
+  other work on a shared CPU lasts longer than one short stage, so repeats taken back to back
+  can all fall inside it (the same stage timed twice so differed by up to 1.9x here); spread
+  over the list's whole timing, they rarely do."""
+  for init, stage in stages:
+    jax.block_until_ready(stage(jax.block_until_ready(init())))
+  best = [np.inf] * len(stages)
+  spent = [0.0] * len(stages)
+  done = 0
+  while done < repeats or min(spent) < min_s:
+    for i, (init, stage) in enumerate(stages):
+      carry = jax.block_until_ready(init())
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(stage(carry))
+      dt = time.perf_counter() - t0
+      st = out["stats"]
+      rounds = int(st["rounds"]) if "rounds" in st else int(st["policy_passes"]) - 1
+      best[i] = min(best[i], dt / max(rounds, 1))
+      spent[i] += dt
+    done += 1
+    if done >= 50 * max(repeats, 1):
+      break
+  return [float(b) for b in best]
 
 
 def predict(model: CostModel, point: dict) -> float:
@@ -483,7 +515,7 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
 
 
 # The model's form: a calibration cached under another form is not read back.
-FORM = "kv_rate, policy KV once per layer, draft fixed costs, two depths"
+FORM = "kv_rate, policy KV once per layer, draft fixed costs, two depths, shallow SD rounds"
 
 
 def cache_key(pcfg, dcfg, grid: Grid) -> str:
