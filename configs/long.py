@@ -3,11 +3,15 @@
 Run:    python experiments/train.py --config=configs/long.py --workdir=runs/long
 Other layouts: --config=configs/long.py:layout=cp4_dp2 (or pp2_cp2_dp2)
 The retrieval task: --config=configs/long.py:task=retrieval (`:queries=16`: multi-query)
+Rollouts of >= 32 new tokens (SD timed against AR on them), 1024 tokens a row:
+        --config=configs/long.py:task=retrieval,queries=8,records=96
 Long rows (3 RL steps at >= 8K tokens per row, retrieval): --config=configs/long.py:long
 Smoke (CI): --config=configs/long.py:smoke
 With provenance (results.json with the goals below, plots):
         python experiments/long_run.py --config=configs/long.py --workdir=docs/results/long_run
         python experiments/long_run.py --config=configs/long.py:long --workdir=docs/results/long_8k
+        python experiments/long_run.py --config=configs/long.py:task=retrieval,queries=8,records=96 \
+          --workdir=docs/results/long_answers
 
 The whole run (SFT -> draft distillation -> RL co-training with speculative rollouts) trains on
 sequence shards over `cp` (train/sequence.py): every policy layer attends through the ring, the
@@ -52,7 +56,7 @@ from specdraft.tasks.frequency import Frequency
 DEFAULT_LAYOUT = "cp8"
 
 
-def _goals(arg):
+def _goals(arg, new_tokens: int):
   """Fixed before the run (experiments/long_run.py copies them into results.json with
   pass/fail). The reward is compared between the first and the last fifth of the RL steps."""
   g = dict(
@@ -85,6 +89,22 @@ def _goals(arg):
       op=">",
       target=2.0,
       what="accepted length tau, mean over the RL steps",
+    )
+  if not arg.long and not arg.smoke and new_tokens >= 32:  # rollouts long enough to time SD on
+    g["new_tokens_at_least_32"] = dict(
+      metric="measured.max_new_tokens",
+      fixed="2026-12-06",
+      op=">=",
+      target=32,
+      what="new tokens per rollout (the answer's length bound)",
+    )
+    g["sd_faster_than_ar"] = dict(
+      metric="run.rollout.speedup",
+      fixed="2026-12-06",
+      op=">=",
+      target=1.0,
+      what="SD over AR rollout tokens/s, final policy and co-trained draft, the run's rollout "
+      "batch at temperature 1",
     )
   return g
 
@@ -131,7 +151,7 @@ def get_config(arg: str | None = None):
   c.eval.num_examples = 16 if arg.smoke else 64
   c.compute.attn_tile = 256
   c.compute.vocab_chunk = 512
-  c.long_run = dict(goals=_goals(arg))
+  c.long_run = dict(goals=_goals(arg, c.decode.max_new_tokens))
   if arg.smoke:
     c.data.batch_size = c.eval.batch_size = c.draft.batch_size = 8
     return c

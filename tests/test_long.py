@@ -192,3 +192,15 @@ def test_long_run_reports_each_answer_form_over_the_first_and_last_fifth():
     {"comma": 0.95, "other": 0.025, "semicolon": 0.025}
   )
   assert long_run._format_shares([{"reward_mean": 0.1}]) == {}  # tasks without answer forms
+
+
+def test_the_long_answers_run_times_sd_on_32_new_tokens():
+  """`configs/long.py:task=retrieval,queries=8,records=96`: 1024-token rows whose answers run to
+  >= 32 new tokens, with goals on the answer length and on SD vs AR; the short-answer learning
+  run keeps its own goals only."""
+  c = long_config.get_config("task=retrieval,queries=8,records=96")
+  assert c.data.seq_len == 1024 and c.decode.max_new_tokens >= 32
+  g = c.long_run.goals
+  assert g.sd_faster_than_ar.metric == "run.rollout.speedup" and g.sd_faster_than_ar.target == 1.0
+  assert g.new_tokens_at_least_32.target == 32
+  assert "sd_faster_than_ar" not in long_config.get_config().long_run.goals

@@ -70,6 +70,7 @@ def measured(config, summary: dict, rl_rows: list[dict]) -> dict:
   tau = [r["accept_len"] for r in rl_rows]
   m = {
     "tokens_per_row": int(config.data.seq_len),
+    "max_new_tokens": int(config.rl.get("max_new_tokens") or config.decode.max_new_tokens),
     "layout": config.parallel.name,
     "cp": int(config.parallel.mesh.get("cp", 1)),
     "rl_steps_run": len(rl_rows),

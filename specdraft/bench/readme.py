@@ -933,6 +933,14 @@ def long_run(r: dict, rel_dir: str) -> str:
     a, b = m["format_share_first"], m["format_share_last"]
     forms = ", ".join(f"'{f}' {a[f]:.0%} → {b.get(f, 0):.0%}" for f in a)
     head += f" Answer forms of the rollouts, first fifth of the RL steps → last fifth: {forms}."
+  ro = run.get("rollout")
+  if ro:
+    head += (
+      f" SD vs AR on the final policy and co-trained draft ({ro['batch']} rows, up to "
+      f"{ro['max_new_tokens']} new tokens, G = {ro['num_draft']}, temperature "
+      f"{_f(ro['temperature'], 1)}): {_f(ro['sd_tokens_per_s'], 1)} vs "
+      f"{_f(ro['ar_tokens_per_s'], 1)} tokens/s, speedup {_f(ro['speedup'])}, τ {_f(ro['tau'])}."
+    )
   table = _table(["RL step", "reward", "accepted length τ", "RL loss", "draft loss"], rows)
   lines = [head, "", table]
   plots = [p for p in ("reward.png", "accept_len.png") if p in r.get("plots", [])]
@@ -1157,6 +1165,7 @@ SECTIONS: list[tuple[str, Callable[[dict, str], str]]] = [
   ("docs/results/bench_long/results.json", long),
   ("docs/results/long_run/results.json", long_run),
   ("docs/results/long_8k/results.json", long_run),
+  ("docs/results/long_answers/results.json", long_run),
   ("docs/results/bench_cp/results.json", lambda r, d: cp(r)),
   ("docs/results/bench_tap/results.json", lambda r, d: tap(r)),
   ("docs/results/real_model_sd/results.json", lambda r, d: real_model(r)),
