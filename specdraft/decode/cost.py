@@ -185,13 +185,15 @@ class CostModel:
     own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     return self.policy_seconds(rows, 1, capacity) + own
 
-  def round_seconds(self, rows: int, G: int, capacity: int) -> float:
+  def round_seconds(self, rows: int, G: int, capacity: int, *, plain: bool = True) -> float:
+    """A round at G. G = 0 under adaptive G is a plain step (`plain`); in a loop fixed at G = 0
+    (plain=False, as the validation times it) EAGLE-3 still takes in the emitted token."""
     t = self.policy_seconds(rows, G + 1, capacity)
     t += self.machine.round_overhead(rows, G + 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     if drafts.is_block(self.dcfg):
       return t + self.draft_seconds(rows, G + 1 if G else 0, capacity)
     if G == 0:  # a plain step: the draft does not run (decode.speculative._plain_step)
-      return t
+      return t if plain else t + self.draft_seconds(rows, 1, capacity)
     steps = self.draft_seconds(rows, 1, capacity) * (G - 1)
     return t + steps + self.draft_seconds(rows, G + 1, capacity)
 
@@ -488,7 +490,7 @@ def predict(model: CostModel, point: dict) -> float:
     return model.draft_seconds(b, t, cap)
   if m == "ar":
     return model.ar_step_seconds(b, cap)
-  return model.round_seconds(b, t, cap)
+  return model.round_seconds(b, t, cap, plain=False)  # timed in a loop at fixed G
 
 
 def fit(points: list[dict], pcfg, dcfg) -> Machine:
