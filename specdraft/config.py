@@ -44,7 +44,8 @@ def layout_config(name: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(layouts.layout(name))
 
 
-def _fail(field, value, valid):
+def invalid(field, value, valid):
+  """Raises the config error every check gives: the field, its value and what would be valid."""
   raise ValueError(f"config.{field}={value!r} is invalid: {valid}")
 
 
@@ -53,7 +54,9 @@ def validate(config, *, num_devices: int | None = None) -> None:
   what is valid."""
   path = config.model.get("init_from", "") or ""
   if path and not os.path.isfile(os.path.join(path, "config.json")):
-    _fail("model.init_from", path, "expected a Hugging Face checkpoint directory with config.json")
+    invalid(
+      "model.init_from", path, "expected a Hugging Face checkpoint directory with config.json"
+    )
   tok = _tokenizer(config)
   pcfg = _policy(config, tok)
   _validate_model(config.model, pcfg)
@@ -75,7 +78,7 @@ def _tokenizer(config):
     path = tok_lib.tokenizer_path(config)
     if not path:  # the character tokenizer refused a setting (data.chat_template)
       raise
-    _fail(field, path, f"its tokenizer cannot be used: {e}")
+    invalid(field, path, f"its tokenizer cannot be used: {e}")
 
 
 def _policy(config, tok):
@@ -90,17 +93,17 @@ def _policy(config, tok):
       taps = tuple(m.tap_layers) if m.tap_layers is not None else None
       pcfg = hf.read_config(path, eos_id=tok.eos_id, dtype=m.dtype, tap_layers=taps)
       if m.dtype not in ("float32", "bfloat16"):
-        _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
+        invalid("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
       _check_taps(m.tap_layers, pcfg.n_layers, "the checkpoint's num_hidden_layers")
       hf.check_checkpoint(path, pcfg)
     except (OSError, KeyError, ValueError) as e:
       if str(e).startswith("config."):
         raise
-      _fail("model.init_from", path, str(e))
+      invalid("model.init_from", path, str(e))
   else:
     pcfg = None
   if path and tok.vocab_size > pcfg.vocab_size:
-    _fail(
+    invalid(
       "model.init_from",
       path,
       f"its vocab_size {pcfg.vocab_size} is smaller than the tokenizer's {tok.vocab_size} "
@@ -113,9 +116,9 @@ def _check_taps(tap_layers, n_layers: int, what: str) -> None:
   if tap_layers is not None:
     taps = tuple(tap_layers)
     if not taps or any(not 0 <= int(t) < n_layers for t in taps):
-      _fail("model.tap_layers", taps, f"each tap layer must be in [0, {n_layers}) ({what})")
+      invalid("model.tap_layers", taps, f"each tap layer must be in [0, {n_layers}) ({what})")
     if len(set(taps)) != len(taps):
-      _fail("model.tap_layers", taps, "tap layers must be distinct")
+      invalid("model.tap_layers", taps, "tap layers must be distinct")
 
 
 def _validate_model(m, imported) -> None:
@@ -123,15 +126,15 @@ def _validate_model(m, imported) -> None:
     return
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
     if int(m[f]) < 1:
-      _fail(f"model.{f}", m[f], "must be >= 1")
+      invalid(f"model.{f}", m[f], "must be >= 1")
   if m.n_heads % m.n_kv_heads:
-    _fail(
+    invalid(
       "model.n_kv_heads", m.n_kv_heads, f"model.n_heads={m.n_heads} must be a multiple of it (GQA)"
     )
   if m.head_dim % 2:
-    _fail("model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
+    invalid("model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
   if m.dtype not in ("float32", "bfloat16"):
-    _fail("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
+    invalid("model.dtype", m.dtype, "expected 'float32' or 'bfloat16'")
   _check_taps(m.tap_layers, m.n_layers, f"model.n_layers={m.n_layers}")
 
 
@@ -139,17 +142,17 @@ def _validate_task_and_data(config, tok) -> None:
   """The task (its difficulty knobs are checked by the task itself) and the SFT batches."""
   t, d = config.task, config.data
   if t.name not in TASKS:
-    _fail("task.name", t.name, f"expected one of {TASKS}")
+    invalid("task.name", t.name, f"expected one of {TASKS}")
   task = make_task(t)
   if t.num_train < 1 or t.num_test < 1:
-    _fail("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
+    invalid("task.num_train/num_test", (t.num_train, t.num_test), "must be >= 1")
   if d.batch_size < 1:
-    _fail("data.batch_size", d.batch_size, "must be >= 1")
+    invalid("data.batch_size", d.batch_size, "must be >= 1")
   # BOS + prompt + answer + EOS, bounded from the characters (a pretrained tokenizer's rows are
   # measured on the data instead, before anything compiles: train/phases.Context)
   need = tok.max_prompt_tokens(task.max_length()) + tok.max_answer_tokens(0)
   if isinstance(tok, tok_lib.CharTokenizer) and d.seq_len < need:
-    _fail("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
+    invalid("data.seq_len", d.seq_len, f"the task's longest example needs {need} tokens")
   if t.name == "longtail" and isinstance(tok, tok_lib.CharTokenizer):
     # the task is its tail: a completion cut short of its end earns nothing
     most = tok.max_answer_tokens(task.max_length() - task.max_prompt_length())
@@ -158,10 +161,10 @@ def _validate_task_and_data(config, tok) -> None:
       ("rl.max_new_tokens", config.rl.max_new_tokens),  # 0: decode's
     ):
       if 0 < value < most:
-        _fail(field, value, f"task.longtail's completions run to {most} tokens (EOS included)")
+        invalid(field, value, f"task.longtail's completions run to {most} tokens (EOS included)")
   s = config.sft
   if s.steps < 0 or s.lr <= 0:
-    _fail("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
+    invalid("sft", (s.steps, s.lr), "need steps >= 0 and lr > 0")
 
 
 SPECULATION = ("fixed", "auto")
@@ -170,23 +173,23 @@ SPECULATION = ("fixed", "auto")
 def _validate_decoding(config) -> None:
   dec = config.decode
   if dec.max_new_tokens < 1:
-    _fail("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
+    invalid("decode.max_new_tokens", dec.max_new_tokens, "must be >= 1")
   if dec.num_draft < 1:
-    _fail("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
+    invalid("decode.num_draft", dec.num_draft, "must be >= 1 (tokens drafted per round)")
   if dec.get("speculation", "fixed") not in SPECULATION:
-    _fail("decode.speculation", dec.speculation, f"expected one of {SPECULATION}")
+    invalid("decode.speculation", dec.speculation, f"expected one of {SPECULATION}")
   if dec.get("catch_up_window", 8) < 1:
-    _fail(
+    invalid(
       "decode.catch_up_window",
       dec.catch_up_window,
       "must be >= 1 (plain-step entries the draft takes in when drafting resumes)",
     )
   if dec.get("min_rows", 1) < 1:
-    _fail("decode.min_rows", dec.min_rows, "must be >= 1 (rows of the smallest compacted batch)")
+    invalid("decode.min_rows", dec.min_rows, "must be >= 1 (rows of the smallest compacted batch)")
   if not 0.0 <= dec.get("prior_rate", 0.6) <= 1.0:
-    _fail("decode.prior_rate", dec.prior_rate, "must be an acceptance rate in [0, 1]")
+    invalid("decode.prior_rate", dec.prior_rate, "must be an acceptance rate in [0, 1]")
   if dec.get("prior_weight", 4.0) < 0 or not 0.0 <= dec.get("prior_keep", 0.5) <= 1.0:
-    _fail(
+    invalid(
       "decode.prior_weight/prior_keep",
       (dec.prior_weight, dec.prior_keep),
       "need prior_weight >= 0 (pseudo rounds) and prior_keep in [0, 1]",
@@ -198,12 +201,12 @@ def _validate_decoding(config) -> None:
     ("eval.sd_temperature", config.eval.sd_temperature),
   ):
     if value < 0:
-      _fail(field, value, "must be >= 0 (0 = greedy)")
+      invalid(field, value, "must be >= 0 (0 = greedy)")
   temps = config.draft.get("rollout_temperatures", ()) or ()
   if not isinstance(temps, (tuple, list)) or any(
     isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in temps
   ):
-    _fail(
+    invalid(
       "draft.rollout_temperatures",
       temps,
       "must be a tuple of temperatures >= 0 cycled over the draft's distillation steps "
@@ -211,15 +214,15 @@ def _validate_decoding(config) -> None:
     )
   repeats = config.eval.get("report_repeats", 3)
   if not isinstance(repeats, int) or repeats < 0:
-    _fail("eval.report_repeats", repeats, "must be an integer >= 0 (0 = no SD-vs-AR report)")
+    invalid("eval.report_repeats", repeats, "must be an integer >= 0 (0 = no SD-vs-AR report)")
   rl = config.rl
   top_k, top_p = rl.get("top_k", 0), rl.get("top_p", 1.0)
   if int(top_k) != top_k or top_k < 0:
-    _fail("rl.top_k", top_k, "must be an integer >= 0 (0 = off)")
+    invalid("rl.top_k", top_k, "must be an integer >= 0 (0 = off)")
   if not 0.0 < top_p <= 1.0:
-    _fail("rl.top_p", top_p, "must be in (0, 1] (1 = off)")
+    invalid("rl.top_p", top_p, "must be in (0, 1] (1 = off)")
   if (top_k or top_p < 1.0) and rl.beta > 0:
-    _fail(
+    invalid(
       "rl.top_k/rl.top_p",
       (top_k, top_p),
       "truncated sampling cannot be combined with a KL term (rl.beta > 0): the reference policy's "
@@ -237,22 +240,22 @@ def _validate_draft(config, imported, tok) -> None:
   m = imported or config.model
   kind = dr.get("kind", "eagle3")
   if kind not in drafts.KINDS:
-    _fail("draft.kind", kind, f"expected one of {drafts.KINDS}")
+    invalid("draft.kind", kind, f"expected one of {drafts.KINDS}")
   V = imported.vocab_size if imported else tok.vocab_size
   if kind != "eagle3":
     _validate_block_draft(config, V)
   if dr.ttt_steps < 1:
-    _fail("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
+    invalid("draft.ttt_steps", dr.ttt_steps, "must be >= 1")
   if not 0 < dr.ttt_decay <= 1:
-    _fail("draft.ttt_decay", dr.ttt_decay, "must be in (0, 1]")
+    invalid("draft.ttt_decay", dr.ttt_decay, "must be in (0, 1]")
   dh, dk = dr.n_heads or m.n_heads, dr.n_kv_heads or m.n_kv_heads
   if dh % dk:
-    _fail("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
+    invalid("draft.n_kv_heads", dk, f"draft heads {dh} must be a multiple of it (GQA)")
   if dr.pretrain_steps < 0:
-    _fail("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
+    invalid("draft.pretrain_steps", dr.pretrain_steps, "must be >= 0")
   nv = dr.get("vocab_size", 0)
   if not isinstance(nv, int) or not 0 <= nv <= V:
-    _fail(
+    invalid(
       "draft.vocab_size",
       nv,
       f"must be an integer in [0, {V}]: the draft head's vocabulary (0 = the policy's {V})",
@@ -260,13 +263,13 @@ def _validate_draft(config, imported, tok) -> None:
   vocab_file = dr.get("vocab_file", "")
   if vocab_file:
     if not nv:
-      _fail("draft.vocab_file", vocab_file, "needs draft.vocab_size > 0 (its number of ids)")
+      invalid("draft.vocab_file", vocab_file, "needs draft.vocab_size > 0 (its number of ids)")
     try:
       read_draft_vocab(vocab_file, nv, V)
     except (OSError, ValueError) as e:
-      _fail("draft.vocab_file", vocab_file, str(e))
+      invalid("draft.vocab_file", vocab_file, str(e))
   if nv and kind != "eagle3":
-    _fail(
+    invalid(
       "draft.vocab_size",
       nv,
       f"a reduced draft vocabulary is an EAGLE-3 option; draft.kind={kind!r} uses the policy's "
@@ -278,26 +281,26 @@ def _validate_block_draft(config, vocab_size: int) -> None:
   bl = config.draft.block
   mask_id = bl.get("mask_token_id", -1)
   if not isinstance(mask_id, int) or not -1 <= mask_id < vocab_size:
-    _fail(
+    invalid(
       "draft.block.mask_token_id",
       mask_id,
       f"must be -1 (a learned mask embedding) or a token id in [0, {vocab_size}) whose policy "
       "embedding row is the block's MASK input",
     )
   if bl.n_layers < 1:
-    _fail("draft.block.n_layers", bl.n_layers, "must be >= 1")
+    invalid("draft.block.n_layers", bl.n_layers, "must be >= 1")
   least = 2 if config.draft.kind == "dflash" else 1  # dflash's slot 0 is the anchor, no proposal
   if bl.block_size and bl.block_size < least:
-    _fail(
+    invalid(
       "draft.block.block_size",
       bl.block_size,
       f"must be >= {least} for {config.draft.kind} (a block that proposes at least one token), "
       "or 0 (the block that proposes decode.num_draft)",
     )
   if bl.gamma <= 0:
-    _fail("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
+    invalid("draft.block.gamma", bl.gamma, "must be > 0 (loss decay exp(-k / gamma))")
   if bl.get("anchor_residual", "") not in ("", "token", "mask"):
-    _fail(
+    invalid(
       "draft.block.anchor_residual",
       bl.anchor_residual,
       "must be 'token' (the anchor slot's residual starts at its embedding), 'mask' (at the MASK "
@@ -305,16 +308,16 @@ def _validate_block_draft(config, vocab_size: int) -> None:
     )
   if config.draft.kind == "dspark":
     if bl.markov_rank < 0:
-      _fail(
+      invalid(
         "draft.block.markov_rank",
         bl.markov_rank,
         "must be >= 1 (the Markov head's rank), or 0 (DSpark without its Markov head)",
       )
     if bl.l1_weight < 0:
-      _fail("draft.block.l1_weight", bl.l1_weight, "must be >= 0")
+      invalid("draft.block.l1_weight", bl.l1_weight, "must be >= 0")
   proposals = bl.block_size - 1 if config.draft.kind == "dflash" else bl.block_size
   if bl.block_size and config.decode.num_draft > proposals:
-    _fail(
+    invalid(
       "decode.num_draft",
       config.decode.num_draft,
       f"a {config.draft.kind} draft with block_size {bl.block_size} proposes {proposals} tokens "
@@ -327,22 +330,22 @@ def _validate_rl(config) -> None:
 
   rl = config.rl
   if rl.advantage not in grpo.ADVANTAGES:
-    _fail("rl.advantage", rl.advantage, f"expected one of {grpo.ADVANTAGES}")
+    invalid("rl.advantage", rl.advantage, f"expected one of {grpo.ADVANTAGES}")
   if rl.aggregation not in grpo.AGGREGATIONS:
-    _fail("rl.aggregation", rl.aggregation, f"expected one of {grpo.AGGREGATIONS}")
+    invalid("rl.aggregation", rl.aggregation, f"expected one of {grpo.AGGREGATIONS}")
   if rl.kl_estimator not in grpo.KL_ESTIMATORS:
-    _fail("rl.kl_estimator", rl.kl_estimator, f"expected one of {grpo.KL_ESTIMATORS}")
+    invalid("rl.kl_estimator", rl.kl_estimator, f"expected one of {grpo.KL_ESTIMATORS}")
   if rl.group_size < 1 or (rl.advantage == "rloo" and rl.group_size < 2):
-    _fail("rl.group_size", rl.group_size, "must be >= 1 (>= 2 for rloo)")
+    invalid("rl.group_size", rl.group_size, "must be >= 1 (>= 2 for rloo)")
   if rl.prompts_per_step < 1 or rl.steps < 0:
-    _fail("rl.prompts_per_step/steps", (rl.prompts_per_step, rl.steps), "need >= 1 and >= 0")
+    invalid("rl.prompts_per_step/steps", (rl.prompts_per_step, rl.steps), "need >= 1 and >= 0")
   if rl.lam < 0 or rl.beta < 0:
-    _fail("rl.lam/beta", (rl.lam, rl.beta), "must be >= 0")
+    invalid("rl.lam/beta", (rl.lam, rl.beta), "must be >= 0")
   warmup = rl.get("warmup_steps", 0)
   if int(warmup) != warmup or warmup < 0:
-    _fail("rl.warmup_steps", warmup, "must be an integer >= 0 (0 = the full rl.lr from step 1)")
+    invalid("rl.warmup_steps", warmup, "must be an integer >= 0 (0 = the full rl.lr from step 1)")
   if config.rollout.draft not in ROLLOUT_DRAFTS:
-    _fail("rollout.draft", config.rollout.draft, f"expected one of {ROLLOUT_DRAFTS}")
+    invalid("rollout.draft", config.rollout.draft, f"expected one of {ROLLOUT_DRAFTS}")
   if config.rollout.draft != "none" and config.draft.pretrain_steps == 0 and rl.steps > 0:
     print("note: rollout.draft uses an untrained draft (draft.pretrain_steps=0)")
 
@@ -355,9 +358,9 @@ def _validate_export(config, pcfg, tok) -> None:
   from specdraft.model import policy as pol
 
   if not isinstance(ex.dir, str):
-    _fail("export.dir", ex.dir, "expected a directory path (a string; '' for no export)")
+    invalid("export.dir", ex.dir, "expected a directory path (a string; '' for no export)")
   if ex.get("dtype", "float32") not in export.DTYPES:
-    _fail("export.dtype", ex.dtype, f"expected one of {export.DTYPES}")
+    invalid("export.dtype", ex.dtype, f"expected one of {export.DTYPES}")
   taps = (pcfg or pol.PolicyConfig.from_config(config.model, tok.vocab_size)).taps
   dr = config.draft
   bl = dr.get("block", {})
@@ -367,15 +370,15 @@ def _validate_export(config, pcfg, tok) -> None:
   )  # fmt: skip
   if problem is not None:
     field, value, why = problem
-    _fail(field, value, f"export.dir={ex.dir!r} asks for a serving checkpoint, but {why}")
+    invalid(field, value, f"export.dir={ex.dir!r} asks for a serving checkpoint, but {why}")
 
 
 def _validate_compute(config) -> None:
   cm = config.compute
   if cm.attn_tile < 1:
-    _fail("compute.attn_tile", cm.attn_tile, "must be >= 1 (query rows and keys per tile)")
+    invalid("compute.attn_tile", cm.attn_tile, "must be >= 1 (query rows and keys per tile)")
   if cm.vocab_chunk < 0:
-    _fail("compute.vocab_chunk", cm.vocab_chunk, "must be >= 0 (tokens per chunk; 0 = whole row)")
+    invalid("compute.vocab_chunk", cm.vocab_chunk, "must be >= 0 (tokens per chunk; 0 = whole row)")
 
 
 def _validate_layout(config, num_devices: int | None, imported=None) -> None:
@@ -383,11 +386,11 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
   p, rl = config.parallel, config.rl
   m = imported or config.model  # an imported policy's heads and layers are its checkpoint's
   if p.name not in layouts.LAYOUTS and p.name != "custom":
-    _fail("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
+    invalid("parallel.name", p.name, f"expected one of {sorted(layouts.LAYOUTS)} or 'custom'")
   check_mesh(p, num_devices)
   dp = int(p.mesh.data) * int(p.mesh.fsdp)
   if config.data.batch_size % dp:
-    _fail(
+    invalid(
       "data.batch_size",
       config.data.batch_size,
       f"must be divisible by data*fsdp={dp} (parallel.layout={p.name!r})",
@@ -395,7 +398,7 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
   # decoding rows (rollouts, distillation, evaluation) are sharded over data, fsdp and cp
   rows = dp * int(p.mesh.get("cp", 1))
   if (rl.prompts_per_step * rl.group_size) % rows:
-    _fail(
+    invalid(
       "rl.prompts_per_step",
       rl.prompts_per_step,
       f"prompts_per_step * group_size must be divisible by data*fsdp*cp={rows} (rollout rows)",
@@ -405,17 +408,17 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
     ("draft.batch_size", config.draft.batch_size),
   ):
     if value % rows:
-      _fail(field, value, f"must be divisible by data*fsdp*cp={rows} (decoding rows)")
+      invalid(field, value, f"must be divisible by data*fsdp*cp={rows} (decoding rows)")
   cp, tp = int(p.mesh.get("cp", 1)), int(p.mesh.get("tensor", 1))
   if config.data.seq_len < 2 * cp:
-    _fail("data.seq_len", config.data.seq_len, f"must be >= 2*cp={2 * cp} (two zigzag chunks)")
+    invalid("data.seq_len", config.data.seq_len, f"must be >= 2*cp={2 * cp} (two zigzag chunks)")
   for field, hf_name in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads")):
     if getattr(m, field) % tp:
       name = f"model.{field}" if imported is None else f"model.init_from's {hf_name}"
-      _fail(name, getattr(m, field), f"must be divisible by tensor={tp}")
+      invalid(name, getattr(m, field), f"must be divisible by tensor={tp}")
   over_cp = p.get("shard_weights_over_cp", True)
   if not isinstance(over_cp, bool):
-    _fail("parallel.shard_weights_over_cp", over_cp, "must be True or False")
+    invalid("parallel.shard_weights_over_cp", over_cp, "must be True or False")
   width = int(p.mesh.fsdp) * (cp if over_cp else 1)
   if m.d_model % width:
     why = (
@@ -423,7 +426,9 @@ def _validate_layout(config, num_devices: int | None, imported=None) -> None:
       if over_cp and cp > 1
       else (f"fsdp={width}")
     )
-    _fail("model.d_model", m.d_model, f"must be divisible by {why}: the weights' width is sharded")
+    invalid(
+      "model.d_model", m.d_model, f"must be divisible by {why}: the weights' width is sharded"
+    )
   pp = int(p.mesh.get("pp", 1))
   if pp > 1:
     _validate_pipeline(config, pp, m)
@@ -436,7 +441,7 @@ def _validate_pipeline(config, pp: int, m) -> None:
 
   p = config.parallel
   if "pipeline" not in p:
-    _fail(
+    invalid(
       "parallel.pipeline",
       None,
       "pipeline layouts need a parallel.pipeline section "
@@ -460,9 +465,9 @@ def _validate_pipeline(config, pp: int, m) -> None:
     ("rl.prompts_per_step * rl.group_size", config.rl.prompts_per_step * config.rl.group_size),
   ):
     if rows % M:
-      _fail("parallel.pipeline.microbatches", M, f"must divide {field}={rows}")
+      invalid("parallel.pipeline.microbatches", M, f"must divide {field}={rows}")
   if spec.tap_mode == "off" and plan.sources and config.rollout.draft == "cotrained":
-    _fail(
+    invalid(
       "parallel.pipeline.tap_mode",
       "off",
       f"the co-trained draft reads taps held by stages {plan.sources} ({plan.describe()}); "

@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from specdraft.parallel.argv import flag_values
 from specdraft.parallel.layouts import AXES, LAYOUTS
 
 COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -39,17 +40,6 @@ _MULTIPROCESS_VARS = (
   "CLOUD_TPU_TASK_ID",
 )
 _MULTIPROCESS_PREFIXES = ("SLURM_",)
-
-
-def _flag_values(argv: Sequence[str], name: str) -> list[str]:
-  """Values of `--name=v` and `--name v` in argv, in order."""
-  out = []
-  for i, a in enumerate(argv):
-    if a.startswith(f"--{name}="):
-      out.append(a.split("=", 1)[1])
-    elif a == f"--{name}" and i + 1 < len(argv):
-      out.append(argv[i + 1])
-  return out
 
 
 def _overrides(argv: Sequence[str], prefix: str) -> dict[str, str]:
@@ -76,7 +66,7 @@ def layout_devices(argv: Sequence[str]) -> tuple[int, str]:
   is not an integer counts as one device: the config's own validation reports it by name.
   """
   name = "single"
-  for spec in _flag_values(argv, "config"):
+  for spec in flag_values(argv, "config"):
     path, _, arg = spec.partition(":")
     name = _default_layout(path) or name
     for part in arg.split(","):
@@ -170,7 +160,7 @@ def simulate_cpu_devices(
   if n <= 1:
     return None
   reason = blocked(environ)
-  procs = _flag_values(argv, "num_processes")
+  procs = flag_values(argv, "num_processes")
   if reason is None and procs and procs[-1].isdigit() and int(procs[-1]) > 1:
     reason = f"--num_processes={procs[-1]} (a multi-process launch: each process uses its devices)"
   if reason is not None:

@@ -38,7 +38,7 @@ def block_mask(qr: Rows, kr: Rows):
   return same & (kr.pos[:, None, :] + strict <= qr.pos[:, :, None])
 
 
-def _tile(n: int, want: int) -> int:
+def tile_size(n: int, want: int) -> int:
   """The largest divisor of n that is <= want (tiles must divide the row count)."""
   t = max(1, min(n, want))
   while n % t:
@@ -77,7 +77,7 @@ def blk(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, *, tile_q: int = 512, tile_k
   # of q, k or v is ever materialised.
   q = q_BTHD.reshape(B, T, K, Q, D)
   k, v = k_BSKD, v_BSKD
-  tq, tk = _tile(T, tile_q), _tile(S, tile_k)
+  tq, tk = tile_size(T, tile_q), tile_size(S, tile_k)
 
   def q_tile(args):
     qt, qpos, qseg, qstr = args

@@ -73,7 +73,7 @@ def tile_sizes(L: int, W: int, tile: int) -> tuple[int, int]:
   """(anchors per query tile A, keys per key tile T) for L local rows: about `tile` query rows
   and `tile` keys, each dividing a zigzag chunk (L / 2) so no tile straddles the two chunks."""
   c = L // 2
-  return bw._tile(c, max(1, tile // (1 + W))), bw._tile(c, tile)
+  return bw.tile_size(c, max(1, tile // (1 + W))), bw.tile_size(c, tile)
 
 
 def _plan(q_BLHD, k_BLKD, q_BLWHD, branch, tile, skip=True) -> _Plan:

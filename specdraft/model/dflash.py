@@ -449,8 +449,8 @@ def write_context(dp, cfg: BlockDraftConfig, cache: BlockCache, taps_NBTE, start
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda a: a[layer], dp["layers"])
     k, v = context_kv(lp, ctx, positions, cfg)
-    ks.append(pol._write_rows(cache.k[layer], k, start_B))
-    vs.append(pol._write_rows(cache.v[layer], v, start_B))
+    ks.append(pol.write_rows(cache.k[layer], k, start_B))
+    vs.append(pol.write_rows(cache.v[layer], v, start_B))
   return BlockCache(jnp.stack(ks), jnp.stack(vs), lengths_B.astype(jnp.int32))
 
 

@@ -545,7 +545,7 @@ def prefill(
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   q, k, v = _qkv(dp, embed_table, feat_BTE, tokens_BT, positions, cfg)
   start = jnp.zeros((B,), jnp.int32)
-  ck, cv = pol._write_rows(cache.k, k, start), pol._write_rows(cache.v, v, start)
+  ck, cv = pol.write_rows(cache.k, k, start), pol.write_rows(cache.v, v, start)
   valid = (positions < lengths_B[:, None]).astype(jnp.int32)
   o = pol.tiled_attention()(q, k, v, positions, valid)
   h = _finish(dp, feat_BTE, o, cfg)
@@ -567,8 +567,8 @@ def step_hidden(
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
   positions = slots if skipped_B is None else slots + skipped_B[:, None]
   q, k, v = _qkv(dp, embed_table, feat_BTE, tokens_BT, positions, cfg)
-  ck = pol._write_rows(cache.k, k, cache.lengths)
-  cv = pol._write_rows(cache.v, v, cache.lengths)
+  ck = pol.write_rows(cache.k, k, cache.lengths)
+  cv = pol.write_rows(cache.v, v, cache.lengths)
   mask = jnp.arange(C)[None, None, :] <= slots[:, :, None]
   o, _ = reference.masked_attention(q, ck, cv, mask)
   return _finish(dp, feat_BTE, o, cfg), DraftCache(ck, cv, cache.lengths + T)

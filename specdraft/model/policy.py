@@ -305,7 +305,7 @@ def init_cache(cfg: PolicyConfig, batch: int, capacity: int) -> KVCache:
   return KVCache(z, z, jnp.zeros((batch,), jnp.int32))
 
 
-def _write_rows(cache_BCKD, new_BTKD, start_B):
+def write_rows(cache_BCKD, new_BTKD, start_B):
   return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (s, 0, 0)))(
     cache_BCKD, new_BTKD.astype(cache_BCKD.dtype), start_B
   )
@@ -352,7 +352,7 @@ def _prefill_layer(cfg: PolicyConfig, positions_BT, attend):
     lp, pos, seg, ck, cv = xs
     q, k, v = qkv(lp, x, positions_BT, cfg)
     start = jnp.zeros((x.shape[0],), jnp.int32)
-    ck, cv = _write_rows(ck, k, start), _write_rows(cv, v, start)
+    ck, cv = write_rows(ck, k, start), write_rows(cv, v, start)
     return attn_out_and_mlp(lp, x, attend(q, k, v, pos, seg), cfg), (ck, cv)
 
   return body

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from specdraft.parallel.argv import flag_values
+
 FLAGS = ("coordinator_address", "num_processes", "process_id", "init_timeout", "distributed")
 ENV = {
   "coordinator_address": "JAX_COORDINATOR_ADDRESS",
@@ -73,11 +75,9 @@ def settings(argv: Sequence[str], environ: Mapping[str, str]) -> dict:
   """{coordinator_address, num_processes, process_id, init_timeout} from argv (`--name=v` or
   `--name v`), else the environment; None where neither gives one. Raises ValueError naming
   the flag for a value that is not a number, and for an incomplete explicit set."""
-  from specdraft.devices import _flag_values
-
   out = {}
   for name in FLAGS:
-    vals = _flag_values(argv, name)
+    vals = flag_values(argv, name)
     raw = vals[-1] if vals else environ.get(ENV[name])
     if raw in (None, ""):
       out[name] = None

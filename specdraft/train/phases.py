@@ -116,7 +116,7 @@ class Context:
       if n > longest:
         longest, where = n, ex
     if longest > self.config.data.seq_len:
-      config_lib._fail(
+      config_lib.invalid(
         "data.seq_len",
         self.config.data.seq_len,
         f"the longest training example is {longest} tokens with {self.tok.path} "
