@@ -21,12 +21,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from specdraft.bench import provenance
-from specdraft.bench.cp_memory import cp_mesh
 from specdraft.model import drafts
 from specdraft.model import policy as pol
+from specdraft.parallel.layouts import AXES
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
 
@@ -36,6 +36,15 @@ def _configs(config):
   pcfg = pol.PolicyConfig.from_config(b.model, int(b.model.vocab_size))
   dcfg = drafts.draft_config(config.draft, pcfg, num_draft=int(config.decode.num_draft))
   return pcfg, dcfg
+
+
+def cp_mesh(cp: int):
+  """The training mesh with every axis but 'cp' of size 1, over the first cp devices (the step's
+  rows-local vocabulary loops and shardings name the batch axes, so they must be in the mesh)."""
+  shape = tuple(cp if a == "cp" else 1 for a in AXES)
+  return jax.make_mesh(
+    shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=jax.devices()[:cp]
+  )
 
 
 def _abstract_state(pcfg, dcfg, tx, sharding):
