@@ -127,7 +127,10 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     batch_sizes=(1, 4, 8, 16, 32, 64, 128),
     num_drafts=(1, 2, 3, 4, 5),
     temperature=1.0,
-    repeats=3,
+    # timing design: each of the repeats calls an arm until its calls add up to min_seconds
+    # (one call at batch 1-8 lasts 30-60 ms)
+    repeats=7,
+    min_seconds=0.5,
     max_new_tokens=40,
     min_rows=c.decode.min_rows,
     # cost-model calibration: passes at grid_rows x (1, G_max/2 + 1, G_max + 1) tokens, whole
@@ -137,7 +140,8 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
   )
   if smoke:
     c.bench.update(
-      batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, max_new_tokens=16, min_rows=1,
+      batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, min_seconds=0.0, max_new_tokens=16,
+      min_rows=1,
       grid_rows=(1, 4), grid_round_rows=(1, 4),
     )  # fmt: skip
   if gpu and not smoke:

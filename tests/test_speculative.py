@@ -593,3 +593,31 @@ def test_num_draft_sweep_times_every_g_against_one_baseline():
     assert r["tau"] == pytest.approx(float(np.median(direct)))
   best = max(out["by_num_draft"].values(), key=lambda r: r["speedup"])
   assert out["best_num_draft"] == best["num_draft"] and out["best_speedup"] == best["speedup"]
+
+
+def test_timing_repeats_short_calls_to_a_minimum_time():
+  """With min_seconds a sample repeats its call (same key, same tokens) until the calls add up
+  to that time, and its rate counts every call's tokens; bad settings fail before any call."""
+  from specdraft.decode.compare import time_side_by_side
+
+  pcfg, _, params, _ = small_models()
+  prompts = jnp.asarray(np.random.default_rng(0).integers(3, 16, (2, 4)), jnp.int32)
+  lengths = jnp.asarray([4, 2], jnp.int32)
+  calls = []
+
+  def ar(key, t):
+    calls.append(1)
+    return autoregressive.generate(
+      params, pcfg, prompts, lengths, key, temperature=t, max_new_tokens=6
+    )
+
+  _, one = time_side_by_side({"ar": ar}, temperature=1.0, repeats=2)
+  assert [s["calls"] for s in one["ar"]] == [1, 1] and len(calls) == 3
+  _, many = time_side_by_side({"ar": ar}, temperature=1.0, repeats=1, min_seconds=0.2)
+  (s,) = many["ar"]
+  assert s["calls"] > 1 and s["tokens"] == one["ar"][0]["tokens"]
+  assert s["tokens_per_s"] * 0.2 <= s["tokens"] * s["calls"] * (1 + 1e-9)
+  with pytest.raises(ValueError, match="min_seconds=-1"):
+    time_side_by_side({"ar": ar}, temperature=1.0, repeats=1, min_seconds=-1.0)
+  with pytest.raises(ValueError, match="repeats=0"):
+    time_side_by_side({"ar": ar}, temperature=1.0, repeats=0)

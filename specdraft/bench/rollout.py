@@ -258,8 +258,9 @@ def run_adaptive(config, workdir: str) -> dict:
       num_drafts=b.num_drafts, cost=model, prior=prior, every_stage=True, **kw,
     )  # fmt: skip
     first, samples = time_side_by_side(
-      run, temperature=b.temperature, repeats=b.repeats, seed=100, warm=every_stage
-    )
+      run, temperature=b.temperature, repeats=b.repeats, seed=100, warm=every_stage,
+      min_seconds=b.get("min_seconds", 0.0),
+    )  # fmt: skip
     row = _adaptive_row(B, samples, first, b.num_drafts)
     row["prior_rates"] = prior.rates().tolist()
     row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
@@ -276,6 +277,7 @@ def run_adaptive(config, workdir: str) -> dict:
       "temperature": b.temperature,
       "max_new_tokens": N,
       "repeats": b.repeats,
+      "min_seconds": b.get("min_seconds", 0.0),
       "min_rows": b.min_rows,
       "policy_layers": ctx.pcfg.n_layers,
       "d_model": ctx.pcfg.d_model,
@@ -320,6 +322,12 @@ def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
       for k, v in samples.items()
     },
     "auto_num_draft_counts": auto[-1].get("num_draft_counts"),
+    # the timing's own scatter: each arm's (max - min) / median tokens/s over the repeats
+    "spread": {
+      str(k): float(np.ptp(r := [s["tokens_per_s"] for s in v]) / np.median(r))
+      for k, v in samples.items()
+    },
+    "calls_per_sample": {str(k): int(v[0].get("calls", 1)) for k, v in samples.items()},
     "first_call_s": {str(k): float(v) for k, v in first.items()},
   }
 

@@ -181,14 +181,28 @@ def compare_drafts(
 
 
 def time_side_by_side(
-  run: dict, *, temperature: float, repeats: int, seed: int = 0, warm: dict | None = None
+  run: dict,
+  *,
+  temperature: float,
+  repeats: int,
+  seed: int = 0,
+  warm: dict | None = None,
+  min_seconds: float = 0.0,
 ):
   """Calls every generator of `run` ({name: (key, temperature) -> Generation}) once first
   (compile + one run: `first_call_s`, never timed; `warm[name]` instead where given, e.g. an
   engine generator that compiles every bucket's stage), then `repeats` times in turn with the
-  same key per repeat, so slow phases of a shared machine hit all of them.
+  same key per repeat, so slow phases of a shared machine hit all of them. With `min_seconds`,
+  one sample calls the generator with that key until the calls add up to `min_seconds` (the
+  same tokens every call) and its rate is their tokens over their total time: a call of tens of
+  milliseconds is otherwise at the mercy of one scheduler hiccup.
 
-  Returns (first_call_s {name: s}, samples {name: [decoding_figures + tokens_per_s per repeat]})."""
+  Returns (first_call_s {name: s}, samples {name: [decoding_figures + tokens_per_s + calls per
+  repeat]})."""
+  if repeats < 1:
+    raise ValueError(f"repeats={repeats}: must be >= 1")
+  if not min_seconds >= 0.0:
+    raise ValueError(f"min_seconds={min_seconds}: must be >= 0 (0 = one call per sample)")
   warm = warm or {}
   first_call_s = {
     name: _seconds(warm.get(name, fn), jax.random.key(seed), temperature)[0]
@@ -199,8 +213,13 @@ def time_side_by_side(
     key = jax.random.key(seed + 1 + r)
     for name, fn in run.items():
       seconds, gen = _seconds(fn, key, temperature)
+      calls = 1
+      while seconds < min_seconds:
+        seconds += _seconds(fn, key, temperature)[0]
+        calls += 1
       figures = decoding_figures(gen)
-      figures["tokens_per_s"] = figures["tokens"] / seconds
+      figures["tokens_per_s"] = figures["tokens"] * calls / seconds
+      figures["calls"] = calls
       samples[name].append(figures)
   return first_call_s, samples
 
