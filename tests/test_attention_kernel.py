@@ -1,0 +1,236 @@
+"""The Pallas attention block (attention/kernels): values and gradients against the dense oracle
+in interpret mode, for both branch kinds and the mask edge cases; the tile-skipping bounds;
+bf16 inputs with float32 accumulation; the Triton and Mosaic lowerings; clear errors."""
+
+import functools
+
+import _tolerance as tol
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specdraft.attention import reference
+from specdraft.attention.blockwise import Rows, blk, block_mask
+from specdraft.attention.kernels import KernelSettings, block_attention, flash, resolve_backend
+
+INTERPRET = KernelSettings(block_q=8, block_k=8, backend="interpret")
+
+# Query rows 16..47 of two packed rows of 48 keys. Row 0: a length-1 document at key 20, a
+# document straddling tiles (21..37), another to the end, and the last 3 queries padding. Row 1:
+# many short documents, key padding from 40 on, and a query document (7) no key belongs to.
+KEY_SEGS = np.array(
+  [
+    [1] * 20 + [2] + [3] * 17 + [4] * 10,
+    sum(([s] * n for s, n in [(1, 5), (2, 1), (3, 9), (4, 3), (5, 12), (6, 10)]), []) + [0] * 8,
+  ]
+)
+
+
+def _positions(seg):
+  """Positions restarting at 0 in each document (as packed rows carry them)."""
+  pos = np.zeros_like(seg)
+  for b in range(seg.shape[0]):
+    for i in range(1, seg.shape[1]):
+      pos[b, i] = pos[b, i - 1] + 1 if seg[b, i] == seg[b, i - 1] else 0
+  return pos
+
+
+def case(seed, strict_kind, H=4, K=2, D=16, dtype=jnp.float32):
+  """(q, k, v, query rows, key rows): queries are the keys' rows 16..47 (so some see keys of
+  their own tile, some only earlier tiles), with strictness 0 (trunk, TTT) or 1 (block branch)
+  or mixed per row."""
+  kseg = KEY_SEGS
+  kpos = _positions(kseg)
+  qseg, qpos = kseg[:, 16:].copy(), kpos[:, 16:].copy()
+  qseg[0, -3:] = 0
+  qseg[1, 0:2] = 7
+  rng = np.random.default_rng(seed)
+  strict = {"trunk": 0, "block": 1}.get(strict_kind)
+  qstr = rng.integers(0, 2, qseg.shape) if strict is None else np.full(qseg.shape, strict)
+  B, T, S = 2, qseg.shape[1], kseg.shape[1]
+  n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32).astype(dtype)
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  qr = Rows(i32(qpos), i32(qseg), i32(qstr))
+  return n(B, T, H, D), n(B, S, K, D), n(B, S, K, D), qr, Rows(i32(kpos), i32(kseg))
+
+
+def oracle(q, k, v, qr, kr):
+  return reference.masked_attention(q, k, v, block_mask(qr, kr))
+
+
+def value_and_grads(fn, q, k, v, qr, kr):
+  """Outputs and gradients of a loss that uses both out and lse (lse's cotangent is what the
+  ring's and the branch block's merges send back)."""
+  rng = np.random.default_rng(1)
+  w_out = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  w_lse = jnp.asarray(rng.normal(size=(q.shape[0], q.shape[2], q.shape[1])), jnp.float32)
+
+  def loss(q, k, v):
+    out, lse = fn(q, k, v, qr, kr)
+    finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(jnp.sin(finite) * w_lse), (out, lse)
+
+  (_, outs), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return outs, grads
+
+
+def assert_outputs_close(got, want, atol):
+  (o1, l1), (o2, l2) = got, want
+  np.testing.assert_allclose(np.asarray(o1, np.float32), np.asarray(o2), atol=atol, rtol=0)
+  empty = np.isinf(np.asarray(l2))
+  assert empty.any() and (~empty).any()  # the case has rows with and without visible keys
+  np.testing.assert_array_equal(np.isinf(np.asarray(l1)), empty)
+  np.testing.assert_allclose(np.asarray(l1)[~empty], np.asarray(l2)[~empty], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("strict_kind", ["trunk", "block", "mixed"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)], ids=["gqa", "mha", "mqa"])
+def test_kernel_equals_the_oracle_in_value_and_gradient(strict_kind, heads):
+  H, K = heads
+  xs = case(0, strict_kind, H=H, K=K)
+  kernel = functools.partial(block_attention, settings=INTERPRET)
+  got, g_got = value_and_grads(kernel, *xs)
+  want, g_want = value_and_grads(oracle, *xs)
+  assert_outputs_close(got, want, atol=1e-5)
+  tol.assert_grads_close(g_got, g_want, rtol=1e-5, err=f"{strict_kind} H={H} K={K}")
+
+
+def test_kernel_equals_the_xla_tiles_at_every_tile_shape():
+  """The same function as `blk` whatever the tiles (a tile per row, tiles across documents, one
+  tile for the whole block)."""
+  xs = case(2, "mixed")
+  want, g_want = value_and_grads(functools.partial(blk, tile_q=8, tile_k=16), *xs)
+  for tq, tk in [(1, 4), (16, 8), (32, 48)]:
+    fn = functools.partial(block_attention, tile_q=tq, tile_k=tk, settings=INTERPRET)
+    got, g_got = value_and_grads(fn, *xs)
+    assert_outputs_close(got, want, atol=1e-5)
+    tol.assert_grads_close(g_got, g_want, rtol=1e-5, err=f"tiles {tq}x{tk}")
+
+
+def test_rows_without_keys_get_zero_output_and_zero_gradient():
+  q, k, v, qr, kr = case(3, "trunk")
+  qr = qr._replace(seg=jnp.zeros_like(qr.seg))  # every query is padding
+  (out, lse), (dq, dk, dv) = value_and_grads(
+    functools.partial(block_attention, settings=INTERPRET), q, k, v, qr, kr
+  )
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+  for g in (dq, dk, dv):
+    assert np.all(np.asarray(g) == 0)
+
+
+def test_bf16_inputs_accumulate_in_float32():
+  """bf16 inputs: products in bf16, sums in float32. Against the float32 oracle on the same
+  (rounded) inputs the kernel stays within bf16 operand rounding, and the output can be float32
+  or bf16; a kernel that summed in bf16 over 48 keys would be an order of magnitude further
+  off (checked below by summing the oracle's probabilities times values in bf16)."""
+  q, k, v, qr, kr = case(4, "mixed", dtype=jnp.bfloat16)
+  got, g_got = value_and_grads(
+    functools.partial(block_attention, settings=INTERPRET), q, k, v, qr, kr
+  )
+  up = lambda x: x.astype(jnp.float32)
+  want, g_want = value_and_grads(oracle, up(q), up(k), up(v), qr, kr)
+  assert got[0].dtype == jnp.float32 and got[1].dtype == jnp.float32
+  err = float(jnp.linalg.norm(got[0] - want[0]) / jnp.linalg.norm(want[0]))
+  assert err < 1e-2, err
+  for g, w, x in zip(g_got, g_want, (q, k, v)):
+    assert g.dtype == x.dtype
+    assert float(jnp.linalg.norm(up(g) - w) / jnp.linalg.norm(w)) < 2e-2
+  # a bf16 running sum of the same terms (the control): visibly worse than the kernel
+  mask = block_mask(qr, kr)
+  p, _ = reference.masked_softmax(
+    jnp.einsum("btkqd,bskd->bkqts", up(q).reshape(2, 32, 2, 2, 16), up(k)) * 16**-0.5,
+    mask[:, None, None],
+  )
+  terms = jnp.einsum("bkqts,bskd->bkqtsd", p, up(v)).astype(jnp.bfloat16)
+  bf16_sum = jax.lax.reduce(terms, jnp.bfloat16(0), jax.lax.add, (4,))
+  bf16_out = jnp.moveaxis(bf16_sum, 3, 1).reshape(want[0].shape)
+  control = float(jnp.linalg.norm(up(bf16_out) - want[0]) / jnp.linalg.norm(want[0]))
+  assert control > 2 * err, (control, err)
+  out_bf16, _ = block_attention(
+    q, k, v, qr, kr, settings=KernelSettings(8, 8, backend="interpret", out_dtype="input")
+  )
+  assert out_bf16.dtype == jnp.bfloat16
+
+
+def _brute_live(qpos, qseg, qstr, kpos, kseg):
+  return bool(np.any(np.asarray(flash._mask(qpos, qseg, qstr, kpos, kseg))))
+
+
+def test_tile_skipping_never_skips_a_visible_pair_and_skips_what_causality_rules_out():
+  rng = np.random.default_rng(5)
+  live = lambda qp, qs, qt, kp, ks: bool(
+    flash._tile_live(flash._query_bounds(qp, qs, qt), flash._key_bounds(kp, ks))
+  )
+  col = lambda x: jnp.asarray(x, jnp.int32)[:, None]
+  row = lambda x: jnp.asarray(x, jnp.int32)[None, :]
+  skipped = 0
+  for _ in range(300):  # random packed tiles: soundness (a skipped tile is empty)
+    n = int(rng.integers(1, 9))
+    qp, kp = rng.integers(0, 24, n), rng.integers(0, 24, 8)
+    qs, ks = rng.integers(0, 4, n), rng.integers(0, 4, 8)
+    qt = rng.integers(0, 2, n)
+    args = (col(qp), col(qs), col(qt), row(kp), row(ks))
+    if not live(*args):
+      skipped += 1
+      assert not _brute_live(*args)
+  assert skipped > 30  # the random tiles do exercise skipping
+  # one causal document of 64 rows in tiles of 8: the 28 tile pairs above the diagonal skip,
+  # the rest compute; two documents side by side skip each other's tiles as well
+  pos = np.arange(64)
+  for segs, want_live in [(np.ones(64), 36), (np.repeat([1, 2], 32), 20)]:
+    n_live = sum(
+      live(
+        col(pos[i : i + 8]), col(segs[i : i + 8]), col(np.zeros(8)),
+        row(pos[j : j + 8]), row(segs[j : j + 8]),
+      )
+      for i in range(0, 64, 8)
+      for j in range(0, 64, 8)
+    )  # fmt: skip
+    assert n_live == want_live, (segs[-1], n_live)
+
+
+def _export(backend, platform, D=128, T=256, S=512, tiles=None):
+  B, H, K = 1, 4, 2
+  settings = KernelSettings(*(tiles or (0, 0)), backend=backend)
+
+  def step(q, k, v, qp, qs, qt, kp, ks):
+    def loss(q, k, v):
+      out, lse = block_attention(q, k, v, Rows(qp, qs, qt), Rows(kp, ks), settings=settings)
+      return jnp.sum(out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16)] + [sd((B, S, K, D), jnp.bfloat16)] * 2
+  args += [sd((B, T), jnp.int32)] * 3 + [sd((B, S), jnp.int32)] * 2
+  checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  return jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=checks)(*args)
+
+
+@pytest.mark.parametrize("backend, platform, target", [
+  ("triton", "cuda", "__gpu$xla.gpu.triton"),
+  ("mosaic", "tpu", "tpu_custom_call"),
+])  # fmt: skip
+def test_forward_and_backward_lower_for_gpu_and_tpu(backend, platform, target):
+  """The three kernels lower to Triton (GPU) and Mosaic (TPU) at the backend's default tiles
+  for head dim 128 in bf16 (the lowering runs here; compiling them needs the chip)."""
+  text = _export(backend, platform).mlir_module()
+  assert text.count(target) == 3  # forward, dq, dk/dv
+
+
+def test_bad_settings_fail_before_compiling():
+  with pytest.raises(ValueError, match="backend='cuda'"):
+    KernelSettings(backend="cuda")
+  with pytest.raises(ValueError, match="out_dtype='half'"):
+    KernelSettings(out_dtype="half")
+  with pytest.raises(ValueError, match="block_k=-8"):
+    KernelSettings(block_k=-8)
+  with pytest.raises(ValueError, match="block_q=48: the tile of 48 rows would be 48"):
+    _export("triton", "cuda", T=48, tiles=(48, 64))
+  with pytest.raises(ValueError, match="head dim D=24"):
+    _export("triton", "cuda", D=24)
+  q, k, v, qr, kr = case(0, "trunk", H=3, K=2)
+  with pytest.raises(ValueError, match="H=3 must be a multiple of kv heads K=2"):
+    block_attention(q, k, v, qr, kr, settings=INTERPRET)
+  assert resolve_backend("auto") == "interpret"  # the tests run on CPU
