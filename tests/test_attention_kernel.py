@@ -234,3 +234,24 @@ def test_bad_settings_fail_before_compiling():
   with pytest.raises(ValueError, match="H=3 must be a multiple of kv heads K=2"):
     block_attention(q, k, v, qr, kr, settings=INTERPRET)
   assert resolve_backend("auto") == "interpret"  # the tests run on CPU
+
+
+def test_benchmark_smoke_reports_exactness_and_leaves_timing_goals_unmeasured(tmp_path):
+  """The benchmark's CPU run: the exactness goal is judged, the accelerator goals are reported
+  as not measured, and a full (non-smoke) run is refused on CPU before any work."""
+  from configs import bench_kernel
+  from specdraft.bench import kernel
+
+  with pytest.raises(ValueError, match="only as a smoke test"):
+    kernel.run(bench_kernel.get_config(), str(tmp_path / "full"))
+  config = bench_kernel.get_config("smoke,repeats=1")
+  config.bench.seq_lens = (64,)
+  results = kernel.run(config, str(tmp_path / "smoke"))
+  goals = results["goals"]
+  assert goals["exact_fp32"]["met"] is True and goals["exact_fp32"]["value"] < 1e-5
+  assert goals["forward_half_of_peak"]["met"] is None
+  assert results["smoke_only"] and results["peak_flops"] is None
+  (row,) = results["by_seq_len"]
+  assert row["pallas"]["forward_time"] > 0 and row["dot_product_attention"]["forward_time"] > 0
+  assert row["flops"]["forward"] == 4 * 1 * 4 * 64 * 64 * 65 / 2
+  assert (tmp_path / "smoke" / "table.md").exists()
