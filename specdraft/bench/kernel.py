@@ -4,9 +4,12 @@ block, the XLA tiles, `jax.nn.dot_product_attention`), forward and forward + bac
 
 FLOPs are the model's, the same for every path: the forward's two products over the visible
 (causal) half of the score matrix, 4 * B * H * D * S (S + 1) / 2, and a backward of 2.5 times
-that (the recomputed scores and four products, as FlashAttention's backward does). Achieved
-FLOP/s are model FLOPs over the median time; the fraction of peak uses the config's bf16 dense
-peak for the device kind (none on CPU).
+that (FlashAttention-2's count: the recomputed scores and four products). Achieved FLOP/s are
+model FLOPs over the median time; the fraction of peak uses the config's bf16 dense peak for the
+device kind (none on CPU). The Pallas backward computes seven products, not five (its dq and
+dk/dv kernels each recompute the scores and dp), so its hardware rate is reported beside:
+`backward_hardware_flops_per_s`, 3.5 times the forward's FLOPs over the backward's time. The
+backward's time is derived: forward + backward less forward, both medians.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from specdraft.bench import provenance
 PATHS = ("pallas", "xla_tiles", "dot_product_attention")
 
 
-def check_exact(check, backend: str = "interpret") -> dict:
+def check_exact(check, backend: str = "interpret", tile: int | None = None) -> dict:
   """float32 against the dense oracle on a packed mask (two documents, padding, mixed
   strictness): max abs error of out and lse, and dq, dk, dv's error relative to norms. In
   interpret mode this is the kernel's algorithm; on a chip (`backend` triton or mosaic) it is the
@@ -43,7 +46,8 @@ def check_exact(check, backend: str = "interpret") -> dict:
   n = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
   q, k, v = n(B, S, H, D), n(B, S, K, D), n(B, S, K, D)
   w_out, w_lse = n(B, S, H, D), n(B, H, S)
-  settings = KernelSettings(check.tile, check.tile, backend=backend)
+  tile = check.tile if tile is None else tile
+  settings = KernelSettings(tile, tile, backend=backend)
 
   def loss(fn, q, k, v):
     out, lse = fn(q, k, v)
@@ -72,17 +76,16 @@ def check_exact(check, backend: str = "interpret") -> dict:
 
 def causal_flops(B: int, H: int, S: int, D: int) -> dict:
   fwd = 4.0 * B * H * D * S * (S + 1) / 2
-  return {"forward": fwd, "forward_backward": 3.5 * fwd}
+  return {"forward": fwd, "backward": 2.5 * fwd, "forward_backward": 3.5 * fwd}
 
 
 def peak_flops(peaks, device_kind: str) -> float | None:
-  for kind, peak in dict(peaks).items():
-    if kind in device_kind:
-      return float(peak)
-  return None
+  """The peak of the longest kind named in `device_kind` ("H100 PCIe" before "H100")."""
+  found = [(len(kind), float(peak)) for kind, peak in dict(peaks).items() if kind in device_kind]
+  return max(found)[1] if found else None
 
 
-def _paths(b, settings: KernelSettings):
+def _paths(b, settings: KernelSettings, dpa_impl: str | None):
   """{path: (q, k, v) -> out} on one causal document."""
 
   def rows(q):
@@ -97,7 +100,7 @@ def _paths(b, settings: KernelSettings):
     return blk(q, k, v, *rows(q), tile_q=b.xla_tile, tile_k=b.xla_tile)[0]
 
   def dpa(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=dpa_impl)
 
   return {"pallas": pallas, "xla_tiles": xla_tiles, "dot_product_attention": dpa}
 
@@ -113,14 +116,23 @@ def _programs(fn):
 
 def time_seq_len(b, S: int, settings: KernelSettings) -> dict:
   """Median seconds of each path and pass at sequence length S, the paths timed in turn each
-  repeat (so slow phases of the machine hit all of them)."""
+  repeat (so slow phases of the machine hit all of them). On a GPU the dot_product_attention
+  path is cuDNN's fused attention where it runs (dense XLA at 32K tokens would materialise the
+  score matrix), else XLA's; which one ran is recorded."""
   B, H, K, D = b.batch, b.heads, b.kv_heads, b.head_dim
   dtype = jnp.dtype(b.dtype)
   keys = jax.random.split(jax.random.key(S), 3)
   q = jax.random.normal(keys[0], (B, S, H, D), jnp.float32).astype(dtype)
   k = jax.random.normal(keys[1], (B, S, K, D), jnp.float32).astype(dtype)
   v = jax.random.normal(keys[2], (B, S, K, D), jnp.float32).astype(dtype)
-  programs = {p: _programs(fn) for p, fn in _paths(b, settings).items()}
+  dpa_impl = None
+  if jax.default_backend() == "gpu":
+    try:
+      jax.block_until_ready(_paths(b, settings, "cudnn")["dot_product_attention"](q, k, v))
+      dpa_impl = "cudnn"
+    except Exception:
+      dpa_impl = "xla"
+  programs = {p: _programs(fn) for p, fn in _paths(b, settings, dpa_impl).items()}
   compile_s, seconds, errors = {}, {}, {}
   for path, progs in programs.items():
     for name, prog in progs.items():
@@ -141,7 +153,13 @@ def time_seq_len(b, S: int, settings: KernelSettings) -> dict:
         jax.block_until_ready(prog(q, k, v))
         seconds[f"{path}.{name}"].append(time.perf_counter() - t0)
   flops = causal_flops(B, H, S, D)
-  out = {"seq_len": S, "flops": flops, "errors": errors, "first_call_s": compile_s}
+  out = {
+    "seq_len": S,
+    "flops": flops,
+    "errors": errors,
+    "first_call_s": compile_s,
+    "dot_product_attention_implementation": dpa_impl or "xla",
+  }
   for path in PATHS:
     out[path] = {}
     for name in ("forward", "forward_backward"):
@@ -152,9 +170,17 @@ def time_seq_len(b, S: int, settings: KernelSettings) -> dict:
       out[path][f"{name}_time"] = med
       out[path][f"{name}_spread"] = float(np.ptp(ts) / med)
       out[path][f"{name}_flops_per_s"] = flops[name] / med
+    f, fb = out[path].get("forward_time"), out[path].get("forward_backward_time")
+    if f and fb and fb > f:
+      out[path]["backward_time"] = fb - f
+      out[path]["backward_flops_per_s"] = flops["backward"] / (fb - f)
+  if "backward_time" in out["pallas"]:
+    out["pallas"]["backward_hardware_flops_per_s"] = (
+      3.5 * flops["forward"] / out["pallas"]["backward_time"]
+    )
   for other in ("xla_tiles", "dot_product_attention"):
     ratio = {}
-    for name in ("forward", "forward_backward"):
+    for name in ("forward", "backward", "forward_backward"):
       a, c = out["pallas"].get(f"{name}_time"), out[other].get(f"{name}_time")
       if a and c:
         ratio[f"{name}_time"] = a / c
@@ -178,7 +204,7 @@ def run(config, workdir: str) -> dict:
   print(f"  max error {check['max_rel_error']:.2e}: {check['errors']}", flush=True)
   native = None
   if backend != "interpret":  # the compiled kernel too (no goal: the chip's matmul precision)
-    native = check_exact(b.check, backend)
+    native = check_exact(b.check, backend, tile=0)  # the backend's own tiles
     print(f"  {backend}: max error {native['max_rel_error']:.2e}: {native['errors']}", flush=True)
   device_kind = jax.devices()[0].device_kind
   peak = peak_flops(b.peaks, device_kind)
@@ -205,7 +231,7 @@ def run(config, workdir: str) -> dict:
     r = time_seq_len(b, S, settings)
     if peak:
       for path in PATHS:
-        for name in ("forward", "forward_backward"):
+        for name in ("forward", "backward", "forward_backward"):
           if f"{name}_flops_per_s" in r[path]:
             r[path][f"{name}_fraction_of_peak"] = r[path][f"{name}_flops_per_s"] / peak
     results["by_seq_len"].append(r)
@@ -237,7 +263,7 @@ def table(results) -> str:
   lines = [head]
   fmt = lambda x, f: f.format(x) if x is not None else "-"
   for r in results["by_seq_len"]:
-    for name in ("forward", "forward_backward"):
+    for name in ("forward", "backward", "forward_backward"):
       t = lambda p: (lambda x: x and x * 1e3)(r[p].get(f"{name}_time"))
       flops = r["pallas"].get(f"{name}_flops_per_s")
       lines.append(

@@ -9,10 +9,13 @@ A query row attends a key row when both are in the same document (segment id, 0 
 The kernels are FlashAttention-2 shaped: a program per (batch, query head, query tile) walks the
 key tiles with an online softmax in float32 (the backward's dq kernel walks them again; its
 dk/dv kernel runs a program per (batch, kv head, key tile) over every query tile of the heads
-of that group). Matrix products take the inputs' dtype and accumulate in float32. A tile pair
-that no (query, key) pair can see is skipped from bounds alone: its documents do not overlap or
-its earliest live key is after its latest live query. Positions may restart per document, so
-the bounds are conservative (a skipped tile is always empty; a computed one may be empty too).
+of that group). Matrix products take the inputs' dtype and accumulate in float32. Which tiles
+a program walks is decided before the kernels, from tile bounds (`tile_ranges`): a pair whose
+documents do not overlap, or whose earliest live key is after the latest live query, cannot hold
+a visible pair, and each program's loop runs from its first to its last possibly-live tile, so
+tiles in the future or in other documents are never loaded. The loops hold no branch (a
+conditional around loads would keep Triton from pipelining them); a dead tile inside the span
+is computed under its empty mask.
 
 Backends (`KernelSettings.backend`): `interpret` (Pallas interpret mode, CPU tests), `triton`
 (GPU; tiles must be powers of two >= 16) and `mosaic` (TPU; a program holds its key block, or
@@ -56,6 +59,7 @@ class KernelSettings:
   num_warps: int = 4
   num_stages: int = 2
   out_dtype: str = "float32"
+  vmem_limit_bytes: int = 64 * 2**20  # Mosaic's scoped VMEM (physical: 128 MiB on v5p/v6e)
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -65,7 +69,7 @@ class KernelSettings:
     for name in ("block_q", "block_k"):
       if getattr(self, name) < 0:
         raise ValueError(f"attention kernel {name}={getattr(self, name)}: must be >= 0")
-    for name in ("num_warps", "num_stages"):
+    for name in ("num_warps", "num_stages", "vmem_limit_bytes"):
       if getattr(self, name) < 1:
         raise ValueError(f"attention kernel {name}={getattr(self, name)}: must be >= 1")
 
@@ -88,28 +92,53 @@ def resolve_backend(backend: str = "auto") -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Tile visibility and masks (shared by the three kernels)
+# Tile ranges: which tile pairs are computed
 
 
-def _query_bounds(qpos, qseg, qstr):
-  """Scalars of a query tile ((tq, 1) columns): latest visible key position, segment range."""
-  live = qseg != 0
-  last = jnp.max(jnp.where(live, qpos - qstr, -_FAR))
-  return last, jnp.min(jnp.where(live, qseg, _FAR)), jnp.max(jnp.where(live, qseg, -_FAR))
+def _tile_bounds(rows: Rows, t: int, query: bool):
+  """Per tile of t rows ([B, n] each): for query tiles the latest key position any live row may
+  see (position less strictness), for key tiles the earliest live position; and the range of
+  live segment ids."""
+  B, N = rows.pos.shape
+  split = lambda x: x.astype(jnp.int32).reshape(B, N // t, t)
+  pos, seg = split(rows.pos), split(rows.seg)
+  live = seg != 0
+  if query:
+    strict = split(rows.strict) if rows.strict is not None else 0
+    edge = jnp.max(jnp.where(live, pos - strict, -_FAR), axis=-1)
+  else:
+    edge = jnp.min(jnp.where(live, pos, _FAR), axis=-1)
+  lo = jnp.min(jnp.where(live, seg, _FAR), axis=-1)
+  hi = jnp.max(jnp.where(live, seg, -_FAR), axis=-1)
+  return edge, lo, hi
 
 
-def _key_bounds(kpos, kseg):
-  """Scalars of a key tile ((1, tk) rows): earliest live position, segment range."""
-  live = kseg != 0
-  first = jnp.min(jnp.where(live, kpos, _FAR))
-  return first, jnp.min(jnp.where(live, kseg, _FAR)), jnp.max(jnp.where(live, kseg, -_FAR))
-
-
-def _tile_live(qb, kb):
-  """Whether some (query, key) pair of the two tiles may be visible (never False when one is)."""
-  q_last, q_lo, q_hi = qb
-  k_first, k_lo, k_hi = kb
+def live_tiles(qr: Rows, kr: Rows, tq: int, tk: int):
+  """[B, nq, nk]: whether a (query tile, key tile) pair may hold a visible pair, from bounds
+  alone: the tiles' documents overlap and the earliest live key is not after the latest live
+  query. Never False where a pair is visible (positions may restart per document, so it may be
+  True where none is; the mask inside the kernel keeps the result exact)."""
+  q_last, q_lo, q_hi = (x[:, :, None] for x in _tile_bounds(qr, tq, query=True))
+  k_first, k_lo, k_hi = (x[:, None, :] for x in _tile_bounds(kr, tk, query=False))
   return (k_first <= q_last) & (k_lo <= q_hi) & (q_lo <= k_hi)
+
+
+def _span(live):
+  """[..., n] booleans -> ([...] first, [...] one past the last) True index; (0, 0) if none."""
+  n = live.shape[-1]
+  any_ = jnp.any(live, axis=-1)
+  first = jnp.argmax(live, axis=-1)
+  last = n - 1 - jnp.argmax(live[..., ::-1], axis=-1)
+  return jnp.where(any_, first, 0).astype(jnp.int32), jnp.where(any_, last + 1, 0).astype(jnp.int32)
+
+
+def tile_ranges(qr: Rows, kr: Rows, tq: int, tk: int):
+  """The loops' bounds: for each query tile the key tiles [lo, hi) its programs walk (forward
+  and dq), and for each key tile the query tiles [lo, hi) its dk/dv program walks; [B, nq] and
+  [B, nk] pairs. Tiles outside the span of live pairs (in the future, in other documents) are
+  never loaded; a tile inside the span whose pair is dead is computed under its (empty) mask."""
+  live = live_tiles(qr, kr, tq, tk)
+  return _span(live), _span(jnp.swapaxes(live, 1, 2))
 
 
 def _mask(qpos, qseg, qstr, kpos, kseg):
@@ -133,128 +162,104 @@ def _t_dot(a, b):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels
+# Kernels. Each walks its tiles from lo to hi (`tile_ranges`), read as scalars at its program ids.
 
 
 def _fwd_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  qpos_ref,
-  qseg_ref,
-  qstr_ref,
-  kpos_ref,
-  kseg_ref,
-  o_ref,
-  lse_ref,
-  *,
-  tk,
-  scale,
-):
+  lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qstr_ref, kpos_ref, kseg_ref, o_ref,
+  lse_ref, *, tk, scale,
+):  # fmt: skip
+  b, i = pl.program_id(0), pl.program_id(2)
   tq, D = q_ref.shape
-  nk = k_ref.shape[0] // tk
   q = q_ref[...]
   qpos, qseg, qstr = qpos_ref[...], qseg_ref[...], qstr_ref[...]
-  qb = _query_bounds(qpos, qseg, qstr)
 
   def body(j, carry):
+    m, l, acc = carry
     start = pl.multiple_of(j * tk, tk)
-    kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
-
-    def compute(carry):
-      m, l, acc = carry
-      k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-      mask = _mask(qpos, qseg, qstr, kpos, kseg)
-      s = jnp.where(mask, _dot_t(q, k) * scale, _MASKED)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-      corr = jnp.exp(m - m_new)
-      l = l * corr + jnp.sum(p, axis=1, keepdims=True)
-      acc = acc * corr + _dot(p.astype(v.dtype), v)
-      return m_new, l, acc
-
-    live = _tile_live(qb, _key_bounds(kpos, kseg))
-    return jax.lax.cond(live, compute, lambda c: c, carry)
+    k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
+    mask = _mask(qpos, qseg, qstr, kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)])
+    s = jnp.where(mask, _dot_t(q, k) * scale, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1, keepdims=True)
+    acc = acc * corr + _dot(p.astype(v.dtype), v)
+    return m_new, l, acc
 
   init = (
     jnp.full((tq, 1), _MASKED, jnp.float32),
     jnp.zeros((tq, 1), jnp.float32),
     jnp.zeros((tq, D), jnp.float32),
   )
-  m, l, acc = jax.lax.fori_loop(0, nk, body, init)
+  m, l, acc = jax.lax.fori_loop(lo_ref[b, i], hi_ref[b, i], body, init)
   ok = l > 0
   safe = jnp.where(ok, l, 1.0)
   o_ref[...] = (acc / safe).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
 
 
+def _probs(q, k, lse, mask, scale):
+  """Recomputed probabilities of a tile; rows with lse = -inf see no key (every p is 0)."""
+  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  return jnp.where(mask, jnp.exp(_dot_t(q, k) * scale - lse), 0.0)
+
+
 def _dq_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref, kpos_ref,
-  kseg_ref, dq_ref, *, tk, scale,
+  lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
+  kpos_ref, kseg_ref, dq_ref, *, tk, scale,
 ):  # fmt: skip
+  b, i = pl.program_id(0), pl.program_id(2)
   tq, D = q_ref.shape
-  nk = k_ref.shape[0] // tk
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
-  lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # such rows see no key: every p below is 0
   qpos, qseg, qstr = qpos_ref[...], qseg_ref[...], qstr_ref[...]
-  qb = _query_bounds(qpos, qseg, qstr)
 
   def body(j, dq):
     start = pl.multiple_of(j * tk, tk)
-    kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
+    k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
+    mask = _mask(qpos, qseg, qstr, kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)])
+    p = _probs(q, k, lse, mask, scale)
+    ds = p * (_dot_t(do, v) - delta)
+    return dq + _dot(ds.astype(k.dtype), k)
 
-    def compute(dq):
-      k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-      mask = _mask(qpos, qseg, qstr, kpos, kseg)
-      p = jnp.where(mask, jnp.exp(_dot_t(q, k) * scale - lse), 0.0)
-      ds = p * (_dot_t(do, v) - delta)
-      return dq + _dot(ds.astype(k.dtype), k)
-
-    return jax.lax.cond(_tile_live(qb, _key_bounds(kpos, kseg)), compute, lambda c: c, dq)
-
-  dq = jax.lax.fori_loop(0, nk, body, jnp.zeros((tq, D), jnp.float32))
+  dq = jax.lax.fori_loop(lo_ref[b, i], hi_ref[b, i], body, jnp.zeros((tq, D), jnp.float32))
   dq_ref[...] = dq * scale
 
 
 def _dkv_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref, kpos_ref,
-  kseg_ref, dk_ref, dv_ref, *, tq, scale,
+  lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
+  kpos_ref, kseg_ref, dk_ref, dv_ref, *, tq, scale, groups,
 ):  # fmt: skip
   # q_ref, do_ref: (Q * T, D), lse_ref, delta_ref: (Q * T, 1): the group's heads one after
-  # another, so query tile n is rows n * tq of head n // nq at rows (n % nq) * tq of the row
-  # metadata.
+  # another (head g's query tile i at rows g * T + i * tq); the row metadata is shared.
+  b, j = pl.program_id(0), pl.program_id(2)
   tk, D = k_ref.shape
   T = qpos_ref.shape[0]
-  nq = T // tq
-  n_tiles = q_ref.shape[0] // tq
   k, v = k_ref[...], v_ref[...]
   kpos, kseg = kpos_ref[...], kseg_ref[...]
-  kb = _key_bounds(kpos, kseg)
+  lo, hi = lo_ref[b, j], hi_ref[b, j]
 
-  def body(n, carry):
-    row = pl.multiple_of(jax.lax.rem(n, nq) * tq, tq)  # n >= 0: no sign handling
-    qpos, qseg = qpos_ref[pl.ds(row, tq), :], qseg_ref[pl.ds(row, tq), :]
-    qstr = qstr_ref[pl.ds(row, tq), :]
-
-    def compute(carry):
+  def head(g, carry):
+    def body(i, carry):
       dk, dv = carry
-      at = pl.multiple_of(n * tq, tq)
+      row = pl.multiple_of(i * tq, tq)
+      at = pl.multiple_of(g * T + i * tq, tq)
+      rows = pl.ds(row, tq)
+      mask = _mask(qpos_ref[rows, :], qseg_ref[rows, :], qstr_ref[rows, :], kpos, kseg)
       q, do = q_ref[pl.ds(at, tq), :], do_ref[pl.ds(at, tq), :]
-      lse, delta = lse_ref[pl.ds(at, tq), :], delta_ref[pl.ds(at, tq), :]
-      lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-      mask = _mask(qpos, qseg, qstr, kpos, kseg)
-      p = jnp.where(mask, jnp.exp(_dot_t(q, k) * scale - lse), 0.0)
+      p = _probs(q, k, lse_ref[pl.ds(at, tq), :], mask, scale)
       dv = dv + _t_dot(p.astype(do.dtype), do)
-      ds = p * (_dot_t(do, v) - delta)
+      ds = p * (_dot_t(do, v) - delta_ref[pl.ds(at, tq), :])
       dk = dk + _t_dot(ds.astype(q.dtype), q)
       return dk, dv
 
-    live = _tile_live(_query_bounds(qpos, qseg, qstr), kb)
-    return jax.lax.cond(live, compute, lambda c: c, carry)
+    return jax.lax.fori_loop(lo, hi, body, carry)
 
   zeros = jnp.zeros((tk, D), jnp.float32)
-  dk, dv = jax.lax.fori_loop(0, n_tiles, body, (zeros, zeros))
+  dk, dv = zeros, zeros
+  for g in range(groups):  # the query heads sharing this kv head (static: GQA groups are small)
+    dk, dv = head(g, (dk, dv))
   dk_ref[...] = dk * scale
   dv_ref[...] = dv
 
@@ -272,7 +277,31 @@ def _call_args(backend: str, settings: KernelSettings, n_grid: int) -> dict:
     return {"compiler_params": plgpu.CompilerParams(settings.num_warps, settings.num_stages)}
   from jax.experimental.pallas import tpu as pltpu
 
-  return {"compiler_params": pltpu.CompilerParams(dimension_semantics=("parallel",) * n_grid)}
+  params = pltpu.CompilerParams(
+    dimension_semantics=("parallel",) * n_grid, vmem_limit_bytes=settings.vmem_limit_bytes
+  )
+  return {"compiler_params": params}
+
+
+def _scalars_spec(backend: str):
+  """The tile ranges, whole, where a kernel reads scalars (SMEM on TPU)."""
+  if backend == "mosaic":
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+  return pl.BlockSpec()
+
+
+def _vmem_bytes(T, S, D, Q, tq, tk, itemsize) -> dict:
+  """Per-program VMEM of each kernel's blocks on TPU, double-buffered, with (n, 1) columns and
+  (1, n) rows padded to Mosaic's (8, 128) tiles. Arithmetic, not measured."""
+  col = lambda n: -(-n // 8) * 8 * 128 * 4
+  row = lambda n: 8 * -(-n // 128) * 128 * 4
+  fwd = tq * D * (itemsize + 4) + 2 * S * D * itemsize + 4 * col(tq) + 2 * row(S)
+  dq = 2 * tq * D * itemsize + 2 * S * D * itemsize + 5 * col(tq) + 2 * row(S) + tq * D * 4
+  dkv = 2 * Q * T * D * itemsize + 2 * col(Q * T) + 3 * col(T) + 2 * tk * D * itemsize
+  dkv += 2 * row(tk) + 2 * tk * D * 4
+  return {"forward": 2 * fwd, "dq": 2 * dq, "dkv": 2 * dkv}
 
 
 def _plan(q_BTHD, k_BSKD, settings: KernelSettings):
@@ -293,17 +322,39 @@ def _plan(q_BTHD, k_BSKD, settings: KernelSettings):
         )
     if D < 16 or D & (D - 1):
       raise ValueError(f"head dim D={D}: Triton tiles need a power of two >= 16")
+  if backend == "mosaic":
+    if tk % 128 and tk != S:
+      raise ValueError(
+        f"attention kernel block_k={want_k}: the tile of {S} key rows would be {tk}; Mosaic "
+        "needs a multiple of 128 (or every key row in one tile)"
+      )
+    sublane = 8 * 4 // jnp.dtype(q_BTHD.dtype).itemsize
+    if tq % sublane and tq != T:
+      raise ValueError(
+        f"attention kernel block_q={want_q}: the tile of {T} query rows would be {tq}; Mosaic "
+        f"needs a multiple of {sublane} for {jnp.dtype(q_BTHD.dtype).name} (or one tile)"
+      )
+    need = _vmem_bytes(T, S, D, H // K, tq, tk, jnp.dtype(q_BTHD.dtype).itemsize)
+    over = {k: v for k, v in need.items() if v > settings.vmem_limit_bytes}
+    if over:
+      raise ValueError(
+        f"attention kernel on TPU: {T} query rows x {S} key rows need "
+        f"{ {k: f'{v / 2**20:.1f} MiB' for k, v in over.items()} } of VMEM per program, over "
+        f"vmem_limit_bytes={settings.vmem_limit_bytes} (a program holds its key block, or its "
+        "group's query block, whole): attend in smaller blocks (the ring's per-step blocks)"
+      )
   return backend, tq, tk
 
 
 def _meta(rows: Rows):
-  """Query metadata as (B, T, 1) columns and key metadata as (B, 1, S) rows."""
+  """Query metadata as (B, T, 1) columns."""
   strict = rows.strict if rows.strict is not None else jnp.zeros_like(rows.pos)
   col = lambda x: x.astype(jnp.int32)[:, :, None]
   return col(rows.pos), col(rows.seg), col(strict)
 
 
 def _key_meta(rows: Rows):
+  """Key metadata as (B, 1, S) rows."""
   row = lambda x: x.astype(jnp.int32)[:, None, :]
   return row(rows.pos), row(rows.seg)
 
@@ -315,9 +366,9 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
   Q = H // K
   backend, tq, tk = _plan(q_BTHD, k_BSKD, settings)
   out_dtype = jnp.float32 if settings.out_dtype == "float32" else q_BTHD.dtype
+  (k_lo, k_hi), _ = tile_ranges(qr, kr, tq, tk)
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTHD, k_BSKD, v_BSKD))  # heads before rows
-  qcols = _meta(qr)
-  krows = _key_meta(kr)
+  scalars = _scalars_spec(backend)
   q_spec = pl.BlockSpec((None, None, tq, D), lambda b, h, i: (b, h, i, 0))
   kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, jax.lax.div(h, Q), 0, 0))
   col_spec = pl.BlockSpec((None, tq, 1), lambda b, h, i: (b, i, 0))
@@ -325,7 +376,8 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
   out, lse = pl.pallas_call(
     functools.partial(_fwd_kernel, tk=tk, scale=D**-0.5),
     grid=(B, H, T // tq),
-    in_specs=[q_spec, kv_spec, kv_spec, col_spec, col_spec, col_spec, row_spec, row_spec],
+    in_specs=[scalars, scalars, q_spec, kv_spec, kv_spec]
+    + [col_spec, col_spec, col_spec, row_spec, row_spec],
     out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
     out_shape=[
       jax.ShapeDtypeStruct((B, H, T, D), out_dtype),
@@ -333,7 +385,7 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
     ],
     name="attention_block_fwd",
     **_call_args(backend, settings, 3),
-  )(q, k, v, *qcols, *krows)
+  )(k_lo, k_hi, q, k, v, *_meta(qr), *_key_meta(kr))
   return jnp.swapaxes(out, 1, 2), lse[..., 0]
 
 
@@ -351,16 +403,17 @@ def block_attention_bwd(
   Q = H // K
   backend, tq, tk = _plan(q_BTHD, k_BSKD, settings)
   dtype = q_BTHD.dtype
+  (k_lo, k_hi), (q_lo, q_hi) = tile_ranges(qr, kr, tq, tk)
   delta = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
   delta_BHT = jnp.swapaxes(delta, 1, 2) - dlse_BHT.astype(jnp.float32)
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTHD, k_BSKD, v_BSKD))
   do = jnp.swapaxes(dout_BTHD, 1, 2).astype(dtype)
   lse, delta_col = lse_BHT[..., None], delta_BHT[..., None]
-  qcols = _meta(qr)
-  krows = _key_meta(kr)
+  qcols, krows = _meta(qr), _key_meta(kr)
   scale = D**-0.5
+  scalars = _scalars_spec(backend)
 
-  # dq: a program per (batch, query head, query tile) over the key tiles
+  # dq: a program per (batch, query head, query tile) over its key tiles
   q_spec = pl.BlockSpec((None, None, tq, D), lambda b, h, i: (b, h, i, 0))
   col1 = pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))
   kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, i: (b, jax.lax.div(h, Q), 0, 0))
@@ -369,13 +422,13 @@ def block_attention_bwd(
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, tk=tk, scale=scale),
     grid=(B, H, T // tq),
-    in_specs=[q_spec, kv_spec, kv_spec, q_spec, col1, col1, col_spec, col_spec, col_spec]
-    + [row_spec, row_spec],
+    in_specs=[scalars, scalars, q_spec, kv_spec, kv_spec, q_spec, col1, col1]
+    + [col_spec, col_spec, col_spec, row_spec, row_spec],
     out_specs=q_spec,
     out_shape=jax.ShapeDtypeStruct((B, H, T, D), jnp.float32),
     name="attention_block_dq",
     **_call_args(backend, settings, 3),
-  )(q, k, v, do, lse, delta_col, *qcols, *krows)
+  )(k_lo, k_hi, q, k, v, do, lse, delta_col, *qcols, *krows)
 
   # dk, dv: a program per (batch, kv head, key tile) over the group's query tiles
   group = lambda x: x.reshape(B, K, Q * T, x.shape[-1])  # head h = kv * Q + g
@@ -384,15 +437,15 @@ def block_attention_bwd(
   qcol_spec = pl.BlockSpec((None, T, 1), lambda b, kv, j: (b, 0, 0))
   krow_spec = pl.BlockSpec((None, 1, tk), lambda b, kv, j: (b, 0, j))
   dk, dv = pl.pallas_call(
-    functools.partial(_dkv_kernel, tq=tq, scale=scale),
+    functools.partial(_dkv_kernel, tq=tq, scale=scale, groups=Q),
     grid=(B, K, S // tk),
-    in_specs=[g_spec(D), k_spec, k_spec, g_spec(D), g_spec(1), g_spec(1)]
+    in_specs=[scalars, scalars, g_spec(D), k_spec, k_spec, g_spec(D), g_spec(1), g_spec(1)]
     + [qcol_spec, qcol_spec, qcol_spec, krow_spec, krow_spec],
     out_specs=[k_spec, k_spec],
     out_shape=[jax.ShapeDtypeStruct((B, K, S, D), jnp.float32)] * 2,
     name="attention_block_dkv",
     **_call_args(backend, settings, 3),
-  )(group(q), k, v, group(do), group(lse), group(delta_col), *qcols, *krows)
+  )(q_lo, q_hi, group(q), k, v, group(do), group(lse), group(delta_col), *qcols, *krows)
   back = lambda x, like: jnp.swapaxes(x, 1, 2).astype(like.dtype)
   return back(dq, q_BTHD), back(dk, k_BSKD), back(dv, v_BSKD)
 
