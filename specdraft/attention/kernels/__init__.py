@@ -3,7 +3,7 @@
 `flash.block_attention` has the interface of `blockwise.blk` (the XLA tiles): (q, k, v, query
 rows, key rows) -> (out, lse), differentiable, with its backward in Pallas from (dout, dlse,
 out, lse). On CPU it runs in Pallas interpret mode; on GPU it lowers through Triton and on TPU
-through Mosaic.
+through Mosaic. `ring.ring_attention_shard` is the context-parallel ring over it.
 """
 
 from specdraft.attention.kernels.flash import (

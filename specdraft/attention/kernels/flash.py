@@ -391,9 +391,12 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
 
 def block_attention_bwd(
   q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, out_BTHD, lse_BHT, dout_BTHD, dlse_BHT,
-  settings: KernelSettings,
+  settings: KernelSettings, grad_dtype=None,
 ):  # fmt: skip
-  """(dq, dk, dv) in the inputs' dtypes from the cotangents of (out, lse).
+  """(dq, dk, dv) in the inputs' dtypes (or `grad_dtype`, e.g. float32 for a ring that sums
+  them over steps) from the cotangents of (out, lse). `out` and `lse` may be those of attention
+  over more keys than this block (a ring's final result): the gradient of this block's share is
+  then exact, as the softmax over all keys factorises through lse.
 
   With delta = rowsum(dout * out) - dlse, a score's cotangent is p * (dp - delta): lse's own
   cotangent enters only through delta (d lse / d s = p), which is how the ring's merge and the
@@ -446,7 +449,7 @@ def block_attention_bwd(
     name="attention_block_dkv",
     **_call_args(backend, settings, 3),
   )(q_lo, q_hi, group(q), k, v, group(do), group(lse), group(delta_col), *qcols, *krows)
-  back = lambda x, like: jnp.swapaxes(x, 1, 2).astype(like.dtype)
+  back = lambda x, like: jnp.swapaxes(x, 1, 2).astype(grad_dtype or like.dtype)
   return back(dq, q_BTHD), back(dk, k_BSKD), back(dv, v_BSKD)
 
 
