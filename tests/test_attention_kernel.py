@@ -108,6 +108,24 @@ def test_kernel_equals_the_xla_tiles_at_every_tile_shape():
     tol.assert_grads_close(g_got, g_want, rtol=1e-5, err=f"tiles {tq}x{tk}")
 
 
+@pytest.mark.parametrize("strict_kind", ["trunk", "block", "mixed"])
+def test_unmasked_tiles_equal_the_oracle(strict_kind):
+  """Long documents, so most walked tiles are visible whole and run without a mask."""
+  q, k, v, qr, kr = case(8, strict_kind)
+  seg = jnp.asarray(np.repeat([[1, 2]], 2, axis=0).repeat([40, 8], axis=1), jnp.int32)
+  pos = jnp.asarray(_positions(np.asarray(seg)), jnp.int32)
+  kr = Rows(pos, seg)
+  qr = qr._replace(pos=pos[:, 16:], seg=seg[:, 16:])
+  (_, a, e, _), (_, qa, qe, _) = flash.tile_ranges(qr, kr, 8, 8)
+  assert int(jnp.sum(e - a)) > 0 and int(jnp.sum(qe - qa)) > 0
+  got, g_got = value_and_grads(
+    functools.partial(block_attention, settings=INTERPRET), q, k, v, qr, kr
+  )
+  want, g_want = value_and_grads(oracle, q, k, v, qr, kr)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
+  tol.assert_grads_close(g_got, g_want, rtol=1e-5, err=strict_kind)
+
+
 def test_rows_without_keys_get_zero_output_and_zero_gradient():
   q, k, v, qr, kr = case(3, "trunk")
   qr = qr._replace(seg=jnp.zeros_like(qr.seg))  # every query is padding
@@ -165,20 +183,37 @@ def test_tile_bounds_never_skip_a_visible_pair_and_skip_what_causality_rules_out
     qr = Rows(jnp.asarray(pos[0]), jnp.asarray(seg[0]), jnp.asarray(rng.integers(0, 2, (2, 16))))
     kr = Rows(jnp.asarray(pos[1]), jnp.asarray(seg[1]))
     live = np.asarray(flash.live_tiles(qr, kr, 4, 4))
-    visible = np.asarray(block_mask(qr, kr)).reshape(2, 4, 4, 4, 4).any(axis=(2, 4))
-    assert not np.any(visible & ~live)
+    full = np.asarray(flash.full_tiles(qr, kr, 4, 4))
+    visible = np.asarray(block_mask(qr, kr)).reshape(2, 4, 4, 4, 4)
+    assert not np.any(visible.any(axis=(2, 4)) & ~live)
+    assert not np.any(full & ~visible.all(axis=(2, 4)))  # unmasked tiles are visible whole
     skipped += int(np.sum(~live))
   assert skipped > 100  # the random tiles do exercise skipping
+  whole = 0
+  for _ in range(100):  # one document, keys mostly before queries: tiles visible whole are common
+    qr = Rows(
+      jnp.asarray(rng.integers(6, 12, (2, 16))), jnp.ones((2, 16), jnp.int32),
+      jnp.asarray(rng.integers(0, 2, (2, 16))),
+    )  # fmt: skip
+    kr = Rows(jnp.asarray(rng.integers(0, 8, (2, 16))), jnp.ones((2, 16), jnp.int32))
+    full = np.asarray(flash.full_tiles(qr, kr, 4, 4))
+    visible = np.asarray(block_mask(qr, kr)).reshape(2, 4, 4, 4, 4).all(axis=(2, 4))
+    assert not np.any(full & ~visible)
+    whole += int(np.sum(full))
+  assert whole > 100
   # one causal document of 64 rows in tiles of 8: each query tile walks key tiles 0..i (36 of
   # the 64 pairs); two documents side by side walk only their own (20); a query tile of padding
   # walks none; the dk/dv programs walk the transposed spans
+  # walks none. Tiles below the diagonal are visible whole and run unmasked (28 and 12 pairs).
   pos = jnp.arange(64)[None]
-  for segs, want in [(np.ones(64), 36), (np.repeat([1, 2], 32), 20)]:
+  for segs, want, unmasked in [(np.ones(64), 36, 28), (np.repeat([1, 2], 32), 20, 12)]:
     rows = Rows(pos, jnp.asarray(segs, jnp.int32)[None])
-    (lo, hi), (qlo, qhi) = flash.tile_ranges(rows, rows, 8, 8)
+    (lo, a, e, hi), (qlo, qa, qe, qhi) = flash.tile_ranges(rows, rows, 8, 8)
     assert int(jnp.sum(hi - lo)) == want and int(jnp.sum(qhi - qlo)) == want
+    assert int(jnp.sum(e - a)) == unmasked and int(jnp.sum(qe - qa)) == unmasked
+    assert bool(jnp.all((lo <= a) & (a <= e) & (e <= hi)))
   pad = Rows(pos, jnp.asarray(np.r_[np.ones(56), np.zeros(8)], jnp.int32)[None])
-  (lo, hi), _ = flash.tile_ranges(pad, pad, 8, 8)
+  (lo, _, _, hi), _ = flash.tile_ranges(pad, pad, 8, 8)
   assert int(lo[0, -1]) == int(hi[0, -1]) == 0
 
 

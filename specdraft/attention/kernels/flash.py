@@ -15,7 +15,8 @@ documents do not overlap, or whose earliest live key is after the latest live qu
 a visible pair, and each program's loop runs from its first to its last possibly-live tile, so
 tiles in the future or in other documents are never loaded. The loops hold no branch (a
 conditional around loads would keep Triton from pipelining them); a dead tile inside the span
-is computed under its empty mask.
+is computed under its empty mask, and the first run of tiles visible whole (below the causal
+diagonal) is computed with no mask.
 
 Backends (`KernelSettings.backend`): `interpret` (Pallas interpret mode, CPU tests), `triton`
 (GPU; tiles must be powers of two >= 16) and `mosaic` (TPU; a program holds its key block, or
@@ -123,27 +124,70 @@ def live_tiles(qr: Rows, kr: Rows, tq: int, tk: int):
   return (k_first <= q_last) & (k_lo <= q_hi) & (q_lo <= k_hi)
 
 
-def _span(live):
-  """[..., n] booleans -> ([...] first, [...] one past the last) True index; (0, 0) if none."""
+def full_tiles(qr: Rows, kr: Rows, tq: int, tk: int):
+  """[B, nq, nk]: whether every (query, key) pair of the two tiles is visible: both tiles hold
+  one document and no padding, and the latest key is at or before the earliest query (less its
+  strictness). Such tiles need no mask."""
+
+  def one_doc(rows, t):
+    B, N = rows.pos.shape
+    seg = rows.seg.astype(jnp.int32).reshape(B, N // t, t)
+    return jnp.all(seg == seg[..., :1], axis=-1) & (seg[..., 0] != 0), seg[..., 0]
+
+  B, T = qr.pos.shape
+  strict = qr.strict if qr.strict is not None else 0
+  q_one, q_seg = one_doc(qr, tq)
+  k_one, k_seg = one_doc(kr, tk)
+  q_first = jnp.min((qr.pos - strict).astype(jnp.int32).reshape(B, T // tq, tq), axis=-1)
+  k_last = jnp.max(kr.pos.astype(jnp.int32).reshape(B, -1, tk), axis=-1)
+  return (
+    q_one[:, :, None]
+    & k_one[:, None, :]
+    & (q_seg[:, :, None] == k_seg[:, None, :])
+    & (k_last[:, None, :] <= q_first[:, :, None])
+  )
+
+
+def _spans(live, full):
+  """[..., n] -> four [...] int32 bounds lo <= a <= e <= hi: the tiles [lo, hi) from the first
+  to the last live one, of which [a, e) is the first run of full tiles (unmasked)."""
   n = live.shape[-1]
-  any_ = jnp.any(live, axis=-1)
-  first = jnp.argmax(live, axis=-1)
-  last = n - 1 - jnp.argmax(live[..., ::-1], axis=-1)
-  return jnp.where(any_, first, 0).astype(jnp.int32), jnp.where(any_, last + 1, 0).astype(jnp.int32)
+  idx = jnp.arange(n, dtype=jnp.int32)
+  any_live, any_full = jnp.any(live, axis=-1), jnp.any(full, axis=-1)
+  lo = jnp.where(any_live, jnp.argmax(live, axis=-1), 0)
+  hi = jnp.where(any_live, n - jnp.argmax(live[..., ::-1], axis=-1), 0)
+  a = jnp.where(any_full, jnp.argmax(full, axis=-1), lo)
+  after = ~full & (idx >= a[..., None])
+  e = jnp.where(any_full, jnp.where(jnp.any(after, -1), jnp.argmax(after, axis=-1), n), lo)
+  return tuple(x.astype(jnp.int32) for x in (lo, a, e, hi))
 
 
 def tile_ranges(qr: Rows, kr: Rows, tq: int, tk: int):
-  """The loops' bounds: for each query tile the key tiles [lo, hi) its programs walk (forward
-  and dq), and for each key tile the query tiles [lo, hi) its dk/dv program walks; [B, nq] and
-  [B, nk] pairs. Tiles outside the span of live pairs (in the future, in other documents) are
-  never loaded; a tile inside the span whose pair is dead is computed under its (empty) mask."""
+  """The loops' bounds: for each query tile the key tiles its programs walk (forward and dq),
+  and for each key tile the query tiles its dk/dv program walks; each as (lo, a, e, hi), [B, nq]
+  and [B, nk]: tiles [lo, hi) from the first to the last possibly-live one, of which [a, e) are
+  visible whole and computed without a mask. Tiles outside [lo, hi) (in the future, in other
+  documents) are never loaded; a dead tile inside is computed under its (empty) mask."""
   live = live_tiles(qr, kr, tq, tk)
-  return _span(live), _span(jnp.swapaxes(live, 1, 2))
+  full = full_tiles(qr, kr, tq, tk) & live
+  return _spans(live, full), _spans(jnp.swapaxes(live, 1, 2), jnp.swapaxes(full, 1, 2))
+
+
+def _walk(refs, b, i, step, init):
+  """step(masked, j, carry) over the tiles of (lo, a, e, hi) at [b, i]: masked outside [a, e)."""
+  lo, a, e, hi = (r[b, i] for r in refs)
+  carry = jax.lax.fori_loop(lo, a, functools.partial(step, True), init)
+  carry = jax.lax.fori_loop(a, e, functools.partial(step, False), carry)
+  return jax.lax.fori_loop(e, hi, functools.partial(step, True), carry)
 
 
 def _mask(qpos, qseg, qstr, kpos, kseg):
   """(tq, 1) query columns x (1, tk) key rows -> (tq, tk) visibility."""
   return (qseg == kseg) & (qseg != 0) & (kpos + qstr <= qpos)
+
+
+def _where(mask, x, other):
+  return x if mask is None else jnp.where(mask, x, other)
 
 
 def _dot_t(a, b):
@@ -162,11 +206,12 @@ def _t_dot(a, b):
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Each walks its tiles from lo to hi (`tile_ranges`), read as scalars at its program ids.
+# Kernels. Each walks its tiles (`tile_ranges`, read as scalars at its program ids): masked
+# from lo to a and from e to hi, unmasked from a to e.
 
 
 def _fwd_kernel(
-  lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qstr_ref, kpos_ref, kseg_ref, o_ref,
+  lo_ref, a_ref, e_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, qstr_ref, kpos_ref, kseg_ref, o_ref,
   lse_ref, *, tk, scale,
 ):  # fmt: skip
   b, i = pl.program_id(0), pl.program_id(2)
@@ -174,14 +219,17 @@ def _fwd_kernel(
   q = q_ref[...]
   qpos, qseg, qstr = qpos_ref[...], qseg_ref[...], qstr_ref[...]
 
-  def body(j, carry):
+  def body(masked, j, carry):
     m, l, acc = carry
     start = pl.multiple_of(j * tk, tk)
     k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-    mask = _mask(qpos, qseg, qstr, kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)])
-    s = jnp.where(mask, _dot_t(q, k) * scale, _MASKED)
+    mask = None
+    if masked:
+      kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
+      mask = _mask(qpos, qseg, qstr, kpos, kseg)
+    s = _where(mask, _dot_t(q, k) * scale, _MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    p = _where(mask, jnp.exp(s - m_new), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1, keepdims=True)
     acc = acc * corr + _dot(p.astype(v.dtype), v)
@@ -192,7 +240,7 @@ def _fwd_kernel(
     jnp.zeros((tq, 1), jnp.float32),
     jnp.zeros((tq, D), jnp.float32),
   )
-  m, l, acc = jax.lax.fori_loop(lo_ref[b, i], hi_ref[b, i], body, init)
+  m, l, acc = _walk((lo_ref, a_ref, e_ref, hi_ref), b, i, body, init)
   ok = l > 0
   safe = jnp.where(ok, l, 1.0)
   o_ref[...] = (acc / safe).astype(o_ref.dtype)
@@ -202,11 +250,11 @@ def _fwd_kernel(
 def _probs(q, k, lse, mask, scale):
   """Recomputed probabilities of a tile; rows with lse = -inf see no key (every p is 0)."""
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-  return jnp.where(mask, jnp.exp(_dot_t(q, k) * scale - lse), 0.0)
+  return _where(mask, jnp.exp(_dot_t(q, k) * scale - lse), 0.0)
 
 
 def _dq_kernel(
-  lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
+  lo_ref, a_ref, e_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
   kpos_ref, kseg_ref, dq_ref, *, tk, scale,
 ):  # fmt: skip
   b, i = pl.program_id(0), pl.program_id(2)
@@ -215,20 +263,23 @@ def _dq_kernel(
   lse, delta = lse_ref[...], delta_ref[...]
   qpos, qseg, qstr = qpos_ref[...], qseg_ref[...], qstr_ref[...]
 
-  def body(j, dq):
+  def body(masked, j, dq):
     start = pl.multiple_of(j * tk, tk)
     k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-    mask = _mask(qpos, qseg, qstr, kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)])
+    mask = None
+    if masked:
+      kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
+      mask = _mask(qpos, qseg, qstr, kpos, kseg)
     p = _probs(q, k, lse, mask, scale)
     ds = p * (_dot_t(do, v) - delta)
     return dq + _dot(ds.astype(k.dtype), k)
 
-  dq = jax.lax.fori_loop(lo_ref[b, i], hi_ref[b, i], body, jnp.zeros((tq, D), jnp.float32))
+  dq = _walk((lo_ref, a_ref, e_ref, hi_ref), b, i, body, jnp.zeros((tq, D), jnp.float32))
   dq_ref[...] = dq * scale
 
 
 def _dkv_kernel(
-  lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
+  lo_ref, a_ref, e_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, qstr_ref,
   kpos_ref, kseg_ref, dk_ref, dv_ref, *, tq, scale, groups,
 ):  # fmt: skip
   # q_ref, do_ref: (Q * T, D), lse_ref, delta_ref: (Q * T, 1): the group's heads one after
@@ -238,15 +289,16 @@ def _dkv_kernel(
   T = qpos_ref.shape[0]
   k, v = k_ref[...], v_ref[...]
   kpos, kseg = kpos_ref[...], kseg_ref[...]
-  lo, hi = lo_ref[b, j], hi_ref[b, j]
 
   def head(g, carry):
-    def body(i, carry):
+    def body(masked, i, carry):
       dk, dv = carry
       row = pl.multiple_of(i * tq, tq)
       at = pl.multiple_of(g * T + i * tq, tq)
       rows = pl.ds(row, tq)
-      mask = _mask(qpos_ref[rows, :], qseg_ref[rows, :], qstr_ref[rows, :], kpos, kseg)
+      mask = None
+      if masked:
+        mask = _mask(qpos_ref[rows, :], qseg_ref[rows, :], qstr_ref[rows, :], kpos, kseg)
       q, do = q_ref[pl.ds(at, tq), :], do_ref[pl.ds(at, tq), :]
       p = _probs(q, k, lse_ref[pl.ds(at, tq), :], mask, scale)
       dv = dv + _t_dot(p.astype(do.dtype), do)
@@ -254,7 +306,7 @@ def _dkv_kernel(
       dk = dk + _t_dot(ds.astype(q.dtype), q)
       return dk, dv
 
-    return jax.lax.fori_loop(lo, hi, body, carry)
+    return _walk((lo_ref, a_ref, e_ref, hi_ref), b, j, body, carry)
 
   zeros = jnp.zeros((tk, D), jnp.float32)
   dk, dv = zeros, zeros
@@ -366,7 +418,7 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
   Q = H // K
   backend, tq, tk = _plan(q_BTHD, k_BSKD, settings)
   out_dtype = jnp.float32 if settings.out_dtype == "float32" else q_BTHD.dtype
-  (k_lo, k_hi), _ = tile_ranges(qr, kr, tq, tk)
+  key_spans, _ = tile_ranges(qr, kr, tq, tk)
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTHD, k_BSKD, v_BSKD))  # heads before rows
   scalars = _scalars_spec(backend)
   q_spec = pl.BlockSpec((None, None, tq, D), lambda b, h, i: (b, h, i, 0))
@@ -376,7 +428,8 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
   out, lse = pl.pallas_call(
     functools.partial(_fwd_kernel, tk=tk, scale=D**-0.5),
     grid=(B, H, T // tq),
-    in_specs=[scalars, scalars, q_spec, kv_spec, kv_spec]
+    in_specs=[scalars] * 4
+    + [q_spec, kv_spec, kv_spec]
     + [col_spec, col_spec, col_spec, row_spec, row_spec],
     out_specs=[q_spec, pl.BlockSpec((None, None, tq, 1), lambda b, h, i: (b, h, i, 0))],
     out_shape=[
@@ -385,7 +438,7 @@ def block_attention_fwd(q_BTHD, k_BSKD, v_BSKD, qr: Rows, kr: Rows, settings: Ke
     ],
     name="attention_block_fwd",
     **_call_args(backend, settings, 3),
-  )(k_lo, k_hi, q, k, v, *_meta(qr), *_key_meta(kr))
+  )(*key_spans, q, k, v, *_meta(qr), *_key_meta(kr))
   return jnp.swapaxes(out, 1, 2), lse[..., 0]
 
 
@@ -406,7 +459,7 @@ def block_attention_bwd(
   Q = H // K
   backend, tq, tk = _plan(q_BTHD, k_BSKD, settings)
   dtype = q_BTHD.dtype
-  (k_lo, k_hi), (q_lo, q_hi) = tile_ranges(qr, kr, tq, tk)
+  key_spans, query_spans = tile_ranges(qr, kr, tq, tk)
   delta = jnp.sum(dout_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1)
   delta_BHT = jnp.swapaxes(delta, 1, 2) - dlse_BHT.astype(jnp.float32)
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q_BTHD, k_BSKD, v_BSKD))
@@ -425,13 +478,14 @@ def block_attention_bwd(
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, tk=tk, scale=scale),
     grid=(B, H, T // tq),
-    in_specs=[scalars, scalars, q_spec, kv_spec, kv_spec, q_spec, col1, col1]
+    in_specs=[scalars] * 4
+    + [q_spec, kv_spec, kv_spec, q_spec, col1, col1]
     + [col_spec, col_spec, col_spec, row_spec, row_spec],
     out_specs=q_spec,
     out_shape=jax.ShapeDtypeStruct((B, H, T, D), jnp.float32),
     name="attention_block_dq",
     **_call_args(backend, settings, 3),
-  )(k_lo, k_hi, q, k, v, do, lse, delta_col, *qcols, *krows)
+  )(*key_spans, q, k, v, do, lse, delta_col, *qcols, *krows)
 
   # dk, dv: a program per (batch, kv head, key tile) over the group's query tiles
   group = lambda x: x.reshape(B, K, Q * T, x.shape[-1])  # head h = kv * Q + g
@@ -442,13 +496,14 @@ def block_attention_bwd(
   dk, dv = pl.pallas_call(
     functools.partial(_dkv_kernel, tq=tq, scale=scale, groups=Q),
     grid=(B, K, S // tk),
-    in_specs=[scalars, scalars, g_spec(D), k_spec, k_spec, g_spec(D), g_spec(1), g_spec(1)]
+    in_specs=[scalars] * 4
+    + [g_spec(D), k_spec, k_spec, g_spec(D), g_spec(1), g_spec(1)]
     + [qcol_spec, qcol_spec, qcol_spec, krow_spec, krow_spec],
     out_specs=[k_spec, k_spec],
     out_shape=[jax.ShapeDtypeStruct((B, K, S, D), jnp.float32)] * 2,
     name="attention_block_dkv",
     **_call_args(backend, settings, 3),
-  )(q_lo, q_hi, group(q), k, v, group(do), group(lse), group(delta_col), *qcols, *krows)
+  )(*query_spans, group(q), k, v, group(do), group(lse), group(delta_col), *qcols, *krows)
   back = lambda x, like: jnp.swapaxes(x, 1, 2).astype(grad_dtype or like.dtype)
   return back(dq, q_BTHD), back(dk, k_BSKD), back(dv, v_BSKD)
 
