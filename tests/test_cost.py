@@ -78,6 +78,34 @@ def test_choose_num_draft_by_hand():
   assert int(g) == 3
 
 
+def test_the_fixed_prior_is_recentred_at_the_pooled_rate():
+  """An Acceptance's fixed prior follows the pooled rate of all counts: with no counts the choice
+  is the prior's; once shallow positions show a high rate, a position never drafted takes that
+  rate (and the choice drafts deeper) instead of the prior's, while pseudo counts given as a
+  plain pair keep their rates."""
+  M = 4
+  seconds = jnp.asarray([1.0, 1.3, 1.6, 1.9, 2.2], jnp.float32)
+  spec = speculative.Spec(None, None, 8, M, True, None)
+  zero = {"accept_counts": jnp.zeros(M, jnp.int32), "reach_counts": jnp.zeros(M, jnp.int32)}
+  prior = cost.Acceptance.prior(M, rate=0.6, weight=4.0)
+  fresh = speculative.Choice.of(spec, seconds, prior)
+  plain = speculative.Choice.of(spec, seconds, (prior.accepted, prior.reached))
+  # no counts: the pooled rate is the prior's, the same choice either way (alpha 0.6: G = 1)
+  g = [int(speculative.choose_num_draft(zero, c)) for c in (fresh, plain)]
+  assert g == [1, 1]
+  # rollouts that drafted two deep, accepting 90%: positions 3, 4 were never reached
+  seen = prior.updated({"accept_counts": [90, 81, 0, 0], "reach_counts": [100, 90, 0, 0]}, keep=1.0)
+  pooled = speculative.Choice.of(spec, seconds, seen)
+  pool = float(np.sum(seen.accepted) / np.sum(seen.reached))
+  alpha = (seen.accepted - prior.prior_accepted + pool * prior.prior_reached) / seen.reached
+  assert alpha[2] == pytest.approx(pool) and pool > 0.8
+  want = int(np.argmax([cost.expected_tokens(alpha, G) / seconds[G] for G in range(M + 1)]))
+  assert int(speculative.choose_num_draft(zero, pooled)) == want == M
+  # the same counts as a plain pair: positions 3, 4 stay at 0.6 and the choice stops at 2
+  as_pair = speculative.Choice.of(spec, seconds, (seen.accepted, seen.reached))
+  assert int(speculative.choose_num_draft(zero, as_pair)) == 2
+
+
 def test_choose_num_draft_follows_the_expected_rate():
   """The same choice computed in numpy for many random settings."""
   rng = np.random.default_rng(0)

@@ -104,7 +104,7 @@ def generate(
 
     def choice_at(b):
       rs = cost.round_seconds_all(b, num_draft, capacity) if adaptive else None
-      return speculative.Choice.of(spec, rs, (prior.accepted, prior.reached))
+      return speculative.Choice.of(spec, rs, prior)
 
   sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
   stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)

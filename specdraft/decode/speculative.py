@@ -91,8 +91,9 @@ def generate(
   same processing, so the output is distributed exactly as AR sampling with these settings.
 
   `num_draft` is G, or with `adaptive` the most a round drafts (G_max); then `round_seconds`
-  [G_max + 1] (the predicted seconds of a round at each G, `decode.cost`) and `prior` (pseudo
-  counts (accepted, reached) [G_max] each, `decode.cost.Acceptance`) decide G before every round.
+  [G_max + 1] (the predicted seconds of a round at each G, `decode.cost`) and `prior` (a
+  `decode.cost.Acceptance`, or pseudo counts (accepted, reached) [G_max] each) decide G before
+  every round (`choose_num_draft`).
   `sampler` is the verification rule (tests swap in a broken one as a negative control).
   `decode.engine.generate` runs the same rounds with finished rows compacted out of the batch.
 
@@ -124,33 +125,52 @@ class Spec(NamedTuple):
 
 class Choice(NamedTuple):
   """What an adaptive round's G is chosen from: the predicted seconds of a round at each G at
-  this batch [G_max + 1] and the acceptance prior's pseudo counts (accepted, reached) [G_max]."""
+  this batch [G_max + 1], the acceptance's pseudo counts (accepted, reached) [G_max] (a fixed
+  prior plus the counts carried from earlier rollouts), and the fixed prior's own part of them
+  (`fixed_*`), which the choice re-centres at the pooled rate (`choose_num_draft`)."""
 
   round_seconds: jax.Array
   prior_accepted: jax.Array
   prior_reached: jax.Array
+  fixed_accepted: jax.Array | float = 0.0
+  fixed_reached: jax.Array | float = 0.0
 
   @classmethod
   def of(cls, spec: Spec, round_seconds, prior) -> Choice:
+    """`prior`: a `decode.cost.Acceptance` (its fixed prior is re-centred), or pseudo counts
+    (accepted, reached) taken as they are."""
     M = spec.num_draft
+    zeros = jnp.zeros((M,), jnp.float32)
     if not spec.adaptive:  # unused: a fixed G
-      return cls(jnp.ones((M + 1,), jnp.float32), jnp.zeros((M,)), jnp.zeros((M,)))
+      return cls(jnp.ones((M + 1,), jnp.float32), zeros, zeros, zeros, zeros)
     if round_seconds is None or prior is None:
       raise ValueError("adaptive speculation needs round_seconds and prior (decode.cost)")
     rs = jnp.asarray(round_seconds, jnp.float32)
     if rs.shape != (M + 1,):
       raise ValueError(f"round_seconds has shape {rs.shape}; expected ({M + 1},): G = 0..{M}")
-    acc, reach = (jnp.asarray(x, jnp.float32) for x in prior)
-    return cls(rs, acc, reach)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    if hasattr(prior, "prior_reached"):  # an Acceptance: the fixed prior is known apart
+      fixed = (f32(prior.prior_accepted), f32(prior.prior_reached))
+      return cls(rs, f32(prior.accepted), f32(prior.reached), *fixed)
+    acc, reach = (f32(x) for x in prior)
+    return cls(rs, acc, reach, zeros, zeros)
 
 
 def choose_num_draft(stats: dict, choice: Choice):
   """The G in 0..G_max that maximises expected tokens per second: E[a + 1 | G] / seconds(G),
   with E[a + 1 | G] = 1 + sum_{i <= G} prod_{j <= i} alpha_j and alpha_j the conditional
-  acceptance at position j from the prior's and this generation's counts. Every row still
-  generating rides in the pass, so the active count scales all G alike and drops out."""
+  acceptance at position j from the prior's and this generation's counts. The fixed prior's
+  pseudo counts at each position are re-centred at the pooled rate of all counts (every
+  position's, prior included): a position no round has drafted yet takes the rate the drafted
+  ones show rather than the prior's, so a choice that never drafted that deep can still find
+  that it pays (with the prior as it is, auto G held at the depth it started from: positions
+  it never reached kept the prior's rate). With no counts yet the pooled rate is the prior's.
+  Every row still generating rides in the pass, so the active count scales all G alike and
+  drops out."""
   acc = choice.prior_accepted + stats["accept_counts"]
   reach = choice.prior_reached + stats["reach_counts"]
+  pool = jnp.sum(acc) / jnp.maximum(jnp.sum(reach), 1e-9)
+  acc = acc - choice.fixed_accepted + pool * choice.fixed_reached
   alpha_M = jnp.where(reach > 0, acc / jnp.maximum(reach, 1e-9), 0.0)
   expected_M1 = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.cumprod(alpha_M))])
   return jnp.argmax(expected_M1 / choice.round_seconds).astype(jnp.int32)
