@@ -221,12 +221,7 @@ def _fwd_kernel(
 
   def body(masked, j, carry):
     m, l, acc = carry
-    start = pl.multiple_of(j * tk, tk)
-    k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-    mask = None
-    if masked:
-      kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
-      mask = _mask(qpos, qseg, qstr, kpos, kseg)
+    k, v, mask = _key_tile(j, tk, k_ref, v_ref, kpos_ref, kseg_ref, (qpos, qseg, qstr), masked)
     s = _where(mask, _dot_t(q, k) * scale, _MASKED)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     p = _where(mask, jnp.exp(s - m_new), 0.0)
@@ -247,6 +242,14 @@ def _fwd_kernel(
   lse_ref[...] = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
 
 
+def _key_tile(j, tk, k_ref, v_ref, kpos_ref, kseg_ref, qcols, masked: bool):
+  """Key tile j of a whole key block: (k, v, its mask against the query columns, or None for a
+  tile visible whole)."""
+  rows = pl.ds(pl.multiple_of(j * tk, tk), tk)
+  mask = _mask(*qcols, kpos_ref[:, rows], kseg_ref[:, rows]) if masked else None
+  return k_ref[rows, :], v_ref[rows, :], mask
+
+
 def _probs(q, k, lse, mask, scale):
   """Recomputed probabilities of a tile; rows with lse = -inf see no key (every p is 0)."""
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
@@ -264,12 +267,7 @@ def _dq_kernel(
   qpos, qseg, qstr = qpos_ref[...], qseg_ref[...], qstr_ref[...]
 
   def body(masked, j, dq):
-    start = pl.multiple_of(j * tk, tk)
-    k, v = k_ref[pl.ds(start, tk), :], v_ref[pl.ds(start, tk), :]
-    mask = None
-    if masked:
-      kpos, kseg = kpos_ref[:, pl.ds(start, tk)], kseg_ref[:, pl.ds(start, tk)]
-      mask = _mask(qpos, qseg, qstr, kpos, kseg)
+    k, v, mask = _key_tile(j, tk, k_ref, v_ref, kpos_ref, kseg_ref, (qpos, qseg, qstr), masked)
     p = _probs(q, k, lse, mask, scale)
     ds = p * (_dot_t(do, v) - delta)
     return dq + _dot(ds.astype(k.dtype), k)
