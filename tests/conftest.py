@@ -29,6 +29,8 @@ if _CACHE:
   os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 sys.path.insert(0, ROOT)
 
+import faulthandler  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -44,5 +46,48 @@ def smoke_config(tmp_path):
   return c
 
 
+# A test that runs longer than this (seconds) is stopped with every thread's traceback on stderr and
+# its process exits (under xdist: the worker, which fails the run at once, below), so a hang costs
+# minutes and names itself instead of eating CI's time limit. The slowest test takes ~260 s here.
+# SPECDRAFT_TEST_TIMEOUT=0 turns the watchdog off (e.g. under a debugger).
+TEST_TIMEOUT_S = float(os.environ.get("SPECDRAFT_TEST_TIMEOUT", "1200"))
+# Writes to the persistent cache that slow tests (and the processes they launch) would make are
+# skipped: they read what the everyday suite wrote but add nothing. A CI run's slow suite once died
+# with a segfault inside XLA's executable serialisation (`executable.serialize()` in JAX's cache
+# write), after which pytest-xdist's loadfile scheduler waited forever on the replaced worker; the
+# slow programs are mostly compiled once each, so their entries bought little.
+_NO_WRITE = "1e9"  # a minimum compile time no program reaches: JAX then skips the write
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
   assert jax.device_count() == 8, "tests expect 8 simulated CPU devices"
+  # A crashed xdist worker ends the run (naming the test it died in) rather than being replaced:
+  # pytest-xdist 3.8's loadfile/loadscope schedulers can hang for good after a replacement. An
+  # explicit --max-worker-restart on the command line wins.
+  if hasattr(config.option, "maxworkerrestart") and config.option.maxworkerrestart is None:
+    config.option.maxworkerrestart = "0"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  if TEST_TIMEOUT_S > 0:
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+  slow = item.get_closest_marker("slow") is not None and _CACHE
+  if slow:
+    old_env = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    old_cfg = jax.config.jax_persistent_cache_min_compile_time_secs
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = _NO_WRITE
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(_NO_WRITE))
+  try:
+    yield
+  finally:
+    if TEST_TIMEOUT_S > 0:
+      faulthandler.cancel_dump_traceback_later()
+    if slow:
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", old_cfg)
+      if old_env is None:
+        os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
+      else:
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = old_env
+
