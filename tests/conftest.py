@@ -90,4 +90,3 @@ def pytest_runtest_protocol(item, nextitem):
         os.environ.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
       else:
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = old_env
-
