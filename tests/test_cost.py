@@ -150,14 +150,17 @@ def _synthetic_points(model: cost.CostModel, rows, tokens, capacity=96):
 
 
 @pytest.mark.parametrize(
-  "draft_fixed", [(None, None), (1e-5, 8e-6)], ids=["shared_fixed_costs", "draft_fixed_costs"]
-)
-def test_fit_recovers_a_machine_from_its_own_times(draft_fixed):
+  "draft_fixed,threads",
+  [((None, None), {}), ((1e-5, 8e-6), {}), ((1e-5, 8e-6), dict(thread_rows=40.0, thread_gain=0.9, overlap=False))],
+  ids=["shared_fixed_costs", "draft_fixed_costs", "threads_serial"],
+)  # fmt: skip
+def test_fit_recovers_a_machine_from_its_own_times(draft_fixed, threads):
   """Times made by a known machine are fitted back within 1% at the fitted points and at rows
   and G never fitted on (the fit is identifiable from a calibration-sized grid), whether the
-  draft's fixed costs are the policy's or its own."""
+  draft's fixed costs are the policy's or its own, and for a CPU-like machine whose FLOP rate
+  rises with a pass's token rows and whose compute and memory times add up."""
   pcfg, dcfg = _models()
-  machine = cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9, *draft_fixed)
+  machine = cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9, *draft_fixed, **threads)
   truth = cost.CostModel(machine, pcfg, dcfg)
   fitted = cost.CostModel(
     cost.fit(_synthetic_points(truth, (1, 4, 16, 64, 128), (1, 3, 6)), pcfg, dcfg), pcfg, dcfg
@@ -169,6 +172,19 @@ def test_fit_recovers_a_machine_from_its_own_times(draft_fixed):
       )
     assert fitted.ar_step_seconds(b, 96) == pytest.approx(truth.ar_step_seconds(b, 96), rel=0.01)
     assert fitted.draft_seconds(b, 1, 96) == pytest.approx(truth.draft_seconds(b, 1, 96), rel=0.01)
+
+
+def test_a_pass_time_by_hand():
+  """The pass form: fixed costs, then compute (its FLOP rate half-way up its threads gain at
+  `thread_rows` token rows) and memory time, overlapped (max) or one after the other (sum)."""
+  pcfg, _ = _models()
+  assert cost.policy_work(pcfg, 4, 3, 48).token_rows == 12
+  w = cost.Work(flops=3e9, weight_bytes=2e8, kv_bytes=1e8, layers=2, token_rows=40.0)
+  m = cost.Machine(1e-4, 1e-5, 1e10, 1e9, 0.0, 1.0, 1e9, thread_rows=40.0, thread_gain=1.0)
+  compute, moved = 3e9 / (1e10 * 1.5), 0.2 + 0.1
+  assert m.seconds(w) == pytest.approx(1e-4 + 2e-5 + max(compute, moved), rel=1e-12)
+  serial = dataclasses.replace(m, overlap=False)
+  assert serial.seconds(w) == pytest.approx(1e-4 + 2e-5 + compute + moved, rel=1e-12)
 
 
 def test_calibration_is_cached_per_config(tmp_path, monkeypatch):

@@ -3,11 +3,19 @@
 Time of one pass (the policy's or the draft's) over `rows` rows of `tokens` new tokens each,
 attending over a cache of `capacity` entries, in a roofline form:
 
-    seconds = pass_s + layer_s * layers
-              + max(flops / flop_rate, weight_bytes / byte_rate + kv_bytes / kv_rate)
+    seconds = pass_s + layer_s * layers + combine(compute, moved)
+    compute = flops / (flop_rate * (1 + thread_gain * m^2 / (m^2 + thread_rows^2)))
+    moved   = weight_bytes / byte_rate + kv_bytes / kv_rate
 
 flops and bytes are counted from the model's config (`policy_work`, `draft_work`); the layers
 term is what a pass costs whatever its size (kernel launches, loop and scheduling overhead).
+`combine` is max (a roofline: the chip overlaps compute with memory traffic, as a GPU or TPU
+does) or the sum (the two run one after the other); `calibrate` fits both and keeps the better.
+m is the number of token rows a pass's matrix products have (rows x tokens): on a CPU, XLA
+splits a product over its threads only past some size, so the sustained FLOP rate rises by
+`thread_gain` (at most about 1 on two cores) around m = `thread_rows`; a datasheet has gain 0.
+On this machine the max form without the threads term priced rounds at 128 rows up to 28% high
+and at 16-32 rows up to 25% low (bench_cost at 57e68d9).
 Weights and the KV cache move at rates of their own: on a CPU the weights of a small model stay
 in cache while the KV cache streams; on a GPU both are HBM (a datasheet gives one figure for
 both). The policy's decode carries its whole [L, B, C, K, D] cache through the scan over layers,
@@ -24,7 +32,7 @@ distributions over the vocabulary, sampling, verification, writing out, the per-
 bookkeeping). An AR step is one policy
 pass over one token plus the same own work at G = 0.
 
-The ten machine coefficients are fitted by `calibrate` from timed passes of both models and timed
+The twelve machine coefficients are fitted by `calibrate` from timed passes of both models and timed
 AR steps and SD rounds at a few (rows, G) on the machine at hand, plus passes, AR steps and SD
 rounds of the policy cut to half its layers (the draft tapping as many of its layers), so that
 what a pass costs, what a layer costs and what a drafted token costs a round can be told apart
@@ -55,12 +63,14 @@ from specdraft.model import policy as pol
 
 class Work(NamedTuple):
   """What one pass does: floating-point operations, bytes of weights and of the KV cache read,
-  and the number of layers (each a fixed cost in kernel launches on any backend)."""
+  the number of layers (each a fixed cost in kernel launches on any backend) and the token rows
+  its matrix products have (rows x tokens)."""
 
   flops: float
   weight_bytes: float
   kv_bytes: float
   layers: int
+  token_rows: float = 1.0
 
 
 def _layer_flops(E, H, K, D, F, tokens, capacity, in_width=None):
@@ -91,7 +101,7 @@ def policy_work(pcfg: pol.PolicyConfig, rows: int, tokens: int, capacity: int) -
   flops = rows * (L * _layer_flops(E, H, K, D, F, tokens, capacity) + tokens * 2 * E * V)
   weights = (L * _layer_params(E, H, K, D, F) + V * E) * itemsize
   kv = L * rows * capacity * L * 2 * K * D * itemsize  # the carried cache, once per layer
-  return Work(float(flops), float(weights), float(kv), L)
+  return Work(float(flops), float(weights), float(kv), L, float(rows * tokens))
 
 
 def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
@@ -108,14 +118,15 @@ def draft_work(dcfg, rows: int, tokens: int, capacity: int) -> Work:
     )
     weights = (_layer_params(E, H, K, D, F, 2 * E) + dcfg.n_taps * E * E + E * V) * itemsize
     kv = rows * capacity * 2 * K * D * itemsize
-    return Work(float(flops), float(weights), float(kv), 1)
+    return Work(float(flops), float(weights), float(kv), 1, float(rows * tokens))
   W, L, V = dcfg.block_size, dcfg.n_layers, dcfg.vocab_size
   written = max(tokens, 1)
   write = 2 * dcfg.n_taps * E * E * written + L * 2 * E * 2 * K * D * written
   block = 0 if tokens == 0 else L * _layer_flops(E, H, K, D, F, W, capacity + W) + W * 2 * E * V
   weights = L * _layer_params(E, H, K, D, F) + dcfg.n_taps * E * E + (E * V if tokens else 0)
   kv = (rows * capacity * L * 2 * K * D if tokens else 0) * itemsize
-  return Work(float(rows * (write + block)), float(weights * itemsize), float(kv), L)
+  m = rows * (dcfg.block_size if tokens else written)
+  return Work(float(rows * (write + block)), float(weights * itemsize), float(kv), L, float(m))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +136,9 @@ class Machine:
   round's own work; bytes/s of KV-cache traffic; fixed seconds per draft pass and per draft layer
   (None: the policy's). A draft layer's fixed cost is its own: its program differs from a policy
   layer's (EAGLE-3's fusion and head; no scan over a carried cache), and one fixed cost for both
-  leaves a policy pass at one row underpredicted and a draft pass overpredicted by 2x here."""
+  leaves a policy pass at one row underpredicted and a draft pass overpredicted by 2x here.
+  `thread_rows` and `thread_gain` shape the FLOP rate's rise with a pass's token rows and
+  `overlap` picks max (True) or sum (False) of its compute and memory times (module docstring)."""
 
   pass_s: float
   layer_s: float
@@ -137,13 +150,20 @@ class Machine:
   draft_pass_s: float | None = None
   draft_layer_s: float | None = None
   round_layer_s: float = 0.0
+  thread_rows: float = 1.0
+  thread_gain: float = 0.0
+  overlap: bool = True
 
   def seconds(self, w: Work, *, draft: bool = False) -> float:
     moved = w.weight_bytes / self.byte_rate + w.kv_bytes / self.kv_rate
     pass_s, layer_s = self.pass_s, self.layer_s
     if draft and self.draft_pass_s is not None:
       pass_s, layer_s = self.draft_pass_s, self.draft_layer_s
-    return pass_s + layer_s * w.layers + max(w.flops / self.flop_rate, moved)
+    m2 = w.token_rows**2
+    rate = self.flop_rate * (1.0 + self.thread_gain * m2 / (m2 + self.thread_rows**2))
+    compute = w.flops / rate
+    body = max(compute, moved) if self.overlap else compute + moved
+    return pass_s + layer_s * w.layers + body
 
   def round_overhead(self, rows: int, tokens: int, vocab: int, layers: int = 0) -> float:
     """A round's own work: fixed seconds, per policy layer (the loop's bookkeeping of the
@@ -495,29 +515,36 @@ def predict(model: CostModel, point: dict) -> float:
 
 def fit(points: list[dict], pcfg, dcfg) -> Machine:
   """The machine coefficients minimising the squared log error over the timed points (relative
-  error counts alike at 1 and at 128 rows); several starts, the best kept."""
+  error counts alike at 1 and at 128 rows); both combinations of compute and memory time (max
+  and sum), several starts each, the best kept."""
   from scipy.optimize import least_squares
 
   t = np.log(np.asarray([p["seconds"] for p in points]))
 
-  def resid(x):
-    model = CostModel(Machine(*np.exp(x)), pcfg, dcfg)
+  def resid(x, overlap):
+    model = CostModel(Machine(*np.exp(x), overlap=overlap), pcfg, dcfg)
     return np.log([predict(model, p) for p in points]) - t
 
-  best = None
+  best, best_overlap = None, True
   t_min = float(np.exp(t.min()))
-  for rate in (1e9, 1e10, 1e11):
-    for share in (0.1, 0.5):
-      fixed = [t_min * share, t_min * share / 10]
-      x0 = np.log(fixed + [rate, rate, t_min * share, rate / 10, rate] + fixed + fixed[1:])
-      r = least_squares(resid, x0, method="trf")
-      if best is None or r.cost < best.cost:
-        best = r
-  return Machine(*(float(v) for v in np.exp(best.x)))
+  for overlap in (True, False):
+    resid_o = lambda x, overlap=overlap: resid(x, overlap)  # noqa: E731
+    for rate in (1e9, 1e10, 1e11):
+      for share in (0.1, 0.5):
+        fixed = [t_min * share, t_min * share / 10]
+        x0 = fixed + [rate, rate, t_min * share, rate / 10, rate] + fixed + fixed[1:]
+        x0 = np.log(x0 + [32.0, 1.0])  # threads: rate doubles around 32 token rows
+        r = least_squares(resid_o, x0, method="trf")
+        if best is None or r.cost < best.cost:
+          best, best_overlap = r, overlap
+  return Machine(*(float(v) for v in np.exp(best.x)), overlap=best_overlap)
 
 
 # The model's form: a calibration cached under another form is not read back.
-FORM = "kv_rate, policy KV once per layer, draft fixed costs, two depths, shallow SD rounds"
+FORM = (
+  "kv_rate, policy KV once per layer, draft fixed costs, two depths, shallow SD rounds, "
+  "threads term, max or sum"
+)
 
 
 def cache_key(pcfg, dcfg, grid: Grid) -> str:

@@ -258,7 +258,9 @@ class Context:
 
         coef = np.asarray(dataclasses.astuple(model.machine), np.float64)
         coef = multihost_utils.broadcast_one_to_all(coef)
-        model = dataclasses.replace(model, machine=cost.Machine(*map(float, coef)))
+        *coef, overlap = map(float, coef)
+        machine = cost.Machine(*coef, overlap=bool(overlap))
+        model = dataclasses.replace(model, machine=machine)
       self._cost_model = model
     return self._cost_model
 
