@@ -1,0 +1,27 @@
+"""The suite's guards against a run that never ends (tests/conftest.py): a hung test is stopped by
+the per-test watchdog with its tracebacks, and a dead xdist worker ends the run naming its test
+instead of being replaced (pytest-xdist's loadfile scheduler can wait forever after a
+replacement)."""
+
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_hung_test_is_stopped_and_named_and_the_run_ends(tmp_path):
+  (tmp_path / "test_hangs.py").write_text("import time\n\ndef test_sleeps():\n  time.sleep(120)\n")
+  (tmp_path / "test_fine.py").write_text("def test_passes():\n  pass\n")
+  env = dict(os.environ, SPECDRAFT_TEST_TIMEOUT="5", PYTHONPATH=os.path.join(ROOT, "tests"))
+  cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-n", "2", "--dist", "loadfile",
+         "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)]  # fmt: skip
+  t0 = time.perf_counter()
+  out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+  elapsed = time.perf_counter() - t0
+  text = out.stdout + out.stderr
+  assert out.returncode != 0, text
+  assert "crashed while running 'test_hangs.py::test_sleeps'" in text, text
+  assert "1 passed" in text and "1 failed" in text, text
+  assert elapsed < 60, (elapsed, text)  # the sleeping test alone would take 120 s
