@@ -211,6 +211,30 @@ def test_calibration_is_cached_per_config(tmp_path, monkeypatch):
   assert len(calls) == 2
 
 
+def test_the_bench_pairs_rounds_timed_twice():
+  """bench_cost's repeatability diagnostic pairs each full-depth AR step / SD round of the
+  calibration with the validation's timing of the same (kind, rows, G, capacity), by hand."""
+  from specdraft.bench import cost_model
+
+  cal = [
+    dict(model="ar", rows=4, tokens=0, capacity=41, seconds=2.0),
+    dict(model="ar", rows=4, tokens=0, capacity=41, seconds=1.0, layers=1),  # shallower policy
+    dict(model="sd", rows=4, tokens=2, capacity=45, seconds=4.0),
+    dict(model="policy", rows=4, tokens=1, capacity=48, seconds=1.0),
+    dict(model="sd", rows=8, tokens=2, capacity=45, seconds=4.0),  # not timed again
+  ]
+  rounds = [
+    dict(model="ar", rows=4, tokens=0, capacity=41, seconds=2.5),
+    dict(model="sd", rows=4, tokens=2, capacity=45, seconds=3.0),
+    dict(model="sd", rows=4, tokens=5, capacity=48, seconds=9.0),
+  ]
+  pairs = cost_model.repeat_pairs(cal, rounds)
+  assert [(p["model"], p["rows"], p["tokens"]) for p in pairs] == [("ar", 4, 0), ("sd", 4, 2)]
+  assert [p["rel_diff"] for p in pairs] == pytest.approx([0.25, -0.25])
+  assert cost_model._max_abs(pairs) == pytest.approx(0.25)
+  assert np.isnan(cost_model._max_abs([]))
+
+
 def test_buckets_by_hand():
   assert engine.buckets(64) == [64, 32, 16, 8, 4, 2, 1]
   assert engine.buckets(64, 4) == [64, 32, 16, 8, 4]

@@ -70,6 +70,8 @@ def run(config, workdir: str) -> dict:
       p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
     entry["rounds"] = points
     entry["max_abs_round_error"] = max(abs(p["rel_error"]) for p in points)
+    if "calibration" in entry:
+      entry["repeats"] = repeat_pairs(entry["calibration"]["points"], points)
     sizes[name] = entry
     worst = max(points, key=lambda p: abs(p["rel_error"]))
     print(
@@ -83,11 +85,38 @@ def run(config, workdir: str) -> dict:
     "held_out": sizes[b.held_out.size]["max_abs_round_error"],
     "max_calibration_error": max(sizes[n]["max_abs_calibration_error"] for n in b.sizes),
     "max_round_error": max(sizes[n]["max_abs_round_error"] for n in b.sizes),
+    # a diagnostic, not a goal: how well this host repeats its own timings (see repeat_pairs)
+    "timing_repeatability": {n: _max_abs(sizes[n]["repeats"]) for n in b.sizes},
+    "max_timing_repeatability": _max_abs([q for n in b.sizes for q in sizes[n]["repeats"]]),
   }
   results = {"metrics": metrics, "sizes": sizes}
   return provenance.publish(
     workdir, results, b.goals, table=table, plot=plot, plot_name="cost_model.png"
   )
+
+
+def repeat_pairs(calibration: list[dict], rounds: list[dict]) -> list[dict]:
+  """The AR steps and SD rounds timed twice in one run: once for the fit (the calibration's
+  round grid, full depth) and once for the validation, independently. [{model, rows, tokens,
+  calibration_s, rounds_s, rel_diff = rounds_s / calibration_s - 1}]. Their spread is the host's
+  repeatability: no model can be checked to a tolerance tighter than the timings repeat to."""
+  key = lambda p: (p["model"], p["rows"], p["tokens"], p["capacity"])
+  timed = {key(p): p["seconds"] for p in rounds}
+  pairs = []
+  for p in calibration:
+    if p["model"] in ("ar", "sd") and "layers" not in p and key(p) in timed:
+      again = timed[key(p)]
+      pairs.append(
+        dict(
+          model=p["model"], rows=p["rows"], tokens=p["tokens"], calibration_s=p["seconds"],
+          rounds_s=again, rel_diff=again / p["seconds"] - 1.0,
+        )
+      )  # fmt: skip
+  return pairs
+
+
+def _max_abs(pairs: list[dict]) -> float:
+  return max((abs(p["rel_diff"]) for p in pairs), default=float("nan"))
 
 
 def plot(results: dict, path: str) -> None:
@@ -126,5 +155,20 @@ def table(results: dict) -> str:
       lines.append(
         f"| {name} | {p['model']} | {p['rows']} | {p['tokens']} | {p['seconds'] * 1e3:.3f} | "
         f"{p['predicted'] * 1e3:.3f} | {p['rel_error']:+.1%} |"
+      )
+  pairs = [(n, p) for n, e in results["sizes"].items() for p in e.get("repeats", [])]
+  if pairs:
+    lines += [
+      "",
+      "The same AR steps and SD rounds timed twice in this run (the calibration, then the "
+      "validation): the host's repeatability, a floor under any model's error.",
+      "",
+      "| size | kind | rows | G | calibration ms | validation ms | difference |",
+      "|---|---|---|---|---|---|---|",
+    ]
+    for n, p in pairs:
+      lines.append(
+        f"| {n} | {p['model']} | {p['rows']} | {p['tokens']} | {p['calibration_s'] * 1e3:.3f} | "
+        f"{p['rounds_s'] * 1e3:.3f} | {p['rel_diff']:+.1%} |"
       )
   return "\n".join(lines)
