@@ -1,7 +1,7 @@
 """The suite's guards against a run that never ends (tests/conftest.py): a hung test is stopped by
 the per-test watchdog with its tracebacks, and a dead xdist worker ends the run naming its test
 instead of being replaced (pytest-xdist's loadfile scheduler can wait forever after a
-replacement)."""
+replacement); the slow suite alone runs without JAX's persistent compile cache."""
 
 import os
 import subprocess
@@ -25,3 +25,38 @@ def test_a_hung_test_is_stopped_and_named_and_the_run_ends(tmp_path):
   assert "crashed while running 'test_hangs.py::test_sleeps'" in text, text
   assert "1 passed" in text and "1 failed" in text, text
   assert elapsed < 60, (elapsed, text)  # the sleeping test alone would take 120 s
+
+
+_SEES = """
+import os
+
+import jax
+import pytest
+
+
+@pytest.mark.slow
+def test_slow_sees_no_cache():
+  assert not jax.config.jax_enable_compilation_cache
+  assert "JAX_COMPILATION_CACHE_DIR" not in os.environ  # nor do the processes it launches
+  assert os.environ["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+
+
+def test_everyday_sees_the_cache():
+  assert jax.config.jax_enable_compilation_cache
+  assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.environ["SPECDRAFT_TEST_JAX_CACHE"]
+"""
+
+
+def test_the_slow_suite_alone_runs_without_the_persistent_cache(tmp_path):
+  (tmp_path / "test_sees.py").write_text(_SEES)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(
+    SPECDRAFT_TEST_JAX_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.path.join(ROOT, "tests")
+  )
+  for marks, ran in (("slow", "test_slow_sees_no_cache"), ("not slow", "test_everyday_sees")):
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-m", marks, "-v", "-W",
+           "ignore::pytest.PytestUnknownMarkWarning", "-c", os.devnull, "--rootdir",
+           str(tmp_path), str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "1 passed, 1 deselected" in text and ran in text, text
