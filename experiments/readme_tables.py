@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from specdraft.bench import readme  # noqa: E402
+from experiments import results_doc as readme  # noqa: E402
 
 _CHECK = flags.DEFINE_bool(
   "check", False, "Only compare; exit 1 when docs/results.md is out of date."

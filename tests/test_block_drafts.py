@@ -483,8 +483,8 @@ def test_drafts_benchmark_smoke_and_its_readme_section(tmp_path):
   """experiments/bench_drafts.py at smoke size: every kind distilled from one SFT policy and timed
   against one AR baseline at the same G; the goals evaluate and the README section renders."""
   from configs import bench_drafts
+  from experiments import results_doc as readme
   from specdraft.bench import drafts as bench
-  from specdraft.bench import readme
 
   c = bench_drafts.get_config("smoke")
   c.data.data_dir = str(tmp_path / "tfds")

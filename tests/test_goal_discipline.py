@@ -168,7 +168,7 @@ def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
   a change to the renderer and a change to a module the experiment never imports; stale from the
   first commit that changes a module its config imports (through a package and a function-level
   import), and from a config change."""
-  from specdraft.bench import readme
+  from experiments import results_doc as readme
 
   def git(*a):
     out = subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True)
@@ -186,6 +186,7 @@ def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
   os.makedirs(tmp_path / "specdraft/bench")
   os.makedirs(tmp_path / "specdraft/decode")
   os.makedirs(tmp_path / "configs")
+  os.makedirs(tmp_path / "experiments")
   for path in ("specdraft/__init__.py", "specdraft/decode/__init__.py"):
     (tmp_path / path).write_text("")
   (tmp_path / "specdraft/x.py").write_text("A = 1\n")
@@ -199,7 +200,7 @@ def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
   measured = readme.measured_paths(results, str(tmp_path))
   assert {"specdraft/x.py", "specdraft/decode/y.py", "configs/exp.py"} <= set(measured)
   assert "specdraft/unused.py" not in measured
-  for path in ("README.md", "specdraft/bench/readme.py", "specdraft/unused.py"):
+  for path in ("README.md", "experiments/results_doc.py", "specdraft/unused.py"):
     commit(path, "changed\n")
     assert readme.first_change_since(results, str(tmp_path)) is None, path
   first = commit("specdraft/x.py", "A = 2\n")  # imported only inside a function of y

@@ -159,7 +159,7 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   assert d["ci95_abs_max"] == pytest.approx(max(abs(x) for x in d["ci95"]))
   never = drift.time_to_reward(runs, "none", seeds, threshold=0.9, window=3)
   assert never["per_seed"] == [None, None] and never["seconds_mean"] is None
-  from specdraft.bench import readme
+  from experiments import results_doc as readme
 
   out["resumed_runs"] = ["none_seed0", "none_seed1"]
   text = readme.drift(out, "docs/results/drift")
@@ -212,7 +212,7 @@ def test_every_drift_goal_reads_an_arm_its_config_runs():
 
 
 def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp_path):
-  from specdraft.bench import readme
+  from experiments import results_doc as readme
 
   def row(k, cotrain_s, bound):
     return {
@@ -260,7 +260,7 @@ def test_readme_sections_cite_file_command_commit_and_say_which_goals_missed(tmp
 
 def test_readme_measured_section_is_generated_from_the_results_files():
   """Every figure in docs/results.md is rendered from the results file it cites."""
-  from specdraft.bench import readme
+  from experiments import results_doc as readme
 
   root = provenance.repo_root()
   with open(os.path.join(root, readme.DOC)) as f:
@@ -310,7 +310,7 @@ def test_make_run_only_goals_read_the_run_summary_and_render(tmp_path):
   """configs/wall_times.py:make_run_only: the goals are fixed on the summary `make run` writes
   (speedup, reward after SFT, its gain, entropy) and the README section shows the run's table."""
   from configs import wall_times
-  from specdraft.bench import readme
+  from experiments import results_doc as readme
 
   c = wall_times.get_config("make_run_only")
   assert c.runs == 1 and list(c.steps) == ["venv"] and c.make_run

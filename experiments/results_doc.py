@@ -1,4 +1,5 @@
-"""docs/results.md, rendered from the results files (experiments/readme_tables.py).
+"""docs/results.md, rendered from the results files (experiments/readme_tables.py): the lab
+notebook's renderer, kept out of the importable library (it reads results, it measures nothing).
 
 Everything between the `<!-- results:begin ... -->` and `<!-- results:end -->` markers of
 docs/results.md is generated here from docs/results/<name>/results.json: one short paragraph and table
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from specdraft.bench import goals as goal_lib
+from specdraft.bench.drift import ARM_NAMES
 
 BEGIN = "<!-- results:begin"
 END = "<!-- results:end -->"
@@ -68,7 +70,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 # config; the CI steps the whole repository (`WHOLE_REPOSITORY`).
 ENVIRONMENT = ("pyproject.toml", "Makefile")
 NOT_MEASURED = (
-  "specdraft/bench/readme.py",
+  "experiments/results_doc.py",
   "specdraft/bench/goals.py",
   "specdraft/bench/provenance.py",
 )
@@ -627,18 +629,6 @@ def tap(r: dict) -> str:
     f"metric difference {c['max_rel_diff_vs_single_device']:.1e}."
   )
   return head + "\n\n" + table + "\n\n" + overhead
-
-
-# The drift experiment's arms (bench/drift.py: `<rollout.draft>` or `<rollout.draft>_<kind>`).
-ARM_NAMES = {
-  "none": "A: AR rollouts",
-  "fixed": "B: SD, fixed draft",
-  "cotrained": "C: SD, co-trained draft",
-  "cotrained_dflash": "D: SD, co-trained DFlash",
-  "cotrained_dspark": "E: SD, co-trained DSpark",
-  "fixed_dflash": "SD, fixed DFlash",
-  "fixed_dspark": "SD, fixed DSpark",
-}
 
 
 def _interval(ci) -> str:
