@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from specdraft.bench import goals as goal_lib
-from specdraft.bench.drift import ARM_NAMES
+from specdraft.bench.arms import ARM_NAMES
 
 BEGIN = "<!-- results:begin"
 END = "<!-- results:end -->"

@@ -31,7 +31,12 @@ _SEES = """
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
+
+
+def _compile():
+  jax.jit(lambda x: jnp.tanh(x) * 2 + 1)(jnp.ones(3)).block_until_ready()
 
 
 @pytest.mark.slow
@@ -39,24 +44,39 @@ def test_slow_sees_no_cache():
   assert not jax.config.jax_enable_compilation_cache
   assert "JAX_COMPILATION_CACHE_DIR" not in os.environ  # nor do the processes it launches
   assert os.environ["JAX_ENABLE_COMPILATION_CACHE"] == "false"
+  _compile()
 
 
 def test_everyday_sees_the_cache():
   assert jax.config.jax_enable_compilation_cache
   assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.environ["SPECDRAFT_TEST_JAX_CACHE"]
+  _compile()
 """
 
 
 def test_the_slow_suite_alone_runs_without_the_persistent_cache(tmp_path):
+  """Under an xdist worker as in CI: a program compiled in a slow-only session leaves the cache
+  directory empty; the same program in an everyday session is written to it (every compile is,
+  with the minimum compile time at 0)."""
   (tmp_path / "test_sees.py").write_text(_SEES)
+  cache = tmp_path / "cache"
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
   env.update(
-    SPECDRAFT_TEST_JAX_CACHE=str(tmp_path / "cache"), PYTHONPATH=os.path.join(ROOT, "tests")
+    SPECDRAFT_TEST_JAX_CACHE=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    PYTHONPATH=os.path.join(ROOT, "tests"),
   )
-  for marks, ran in (("slow", "test_slow_sees_no_cache"), ("not slow", "test_everyday_sees")):
-    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-m", marks, "-v", "-W",
+  for marks, ran, written in (
+    ("slow", "test_slow_sees_no_cache", False),
+    ("not slow", "test_everyday_sees_the_cache", True),
+  ):
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-m", marks, "-n", "1", "-v", "-W",
            "ignore::pytest.PytestUnknownMarkWarning", "-c", os.devnull, "--rootdir",
-           str(tmp_path), str(tmp_path)]  # fmt: skip
+           str(tmp_path), str(tmp_path / "test_sees.py")]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     text = out.stdout + out.stderr
-    assert out.returncode == 0 and "1 passed, 1 deselected" in text and ran in text, text
+    other = ({"test_slow_sees_no_cache", "test_everyday_sees_the_cache"} - {ran}).pop()
+    assert out.returncode == 0 and "1 passed" in text and ran in text, text
+    assert other not in text and "failed" not in text, text
+    entries = [f for _, _, files in os.walk(cache) for f in files] if cache.exists() else []
+    assert bool(entries) == written, (marks, entries)

@@ -12,24 +12,13 @@ from scipy import stats
 
 from specdraft import config as config_lib
 from specdraft.bench import provenance
+from specdraft.bench.arms import ARM_NAMES
 from specdraft.decode import speculative
 from specdraft.decode.compare import decoding_figures
 from specdraft.model import drafts
 from specdraft.parallel import multihost
 from specdraft.train import loop
 from specdraft.train.evaluate import held_out_prompts
-
-# The arms' names in printouts, plots and docs/results.md (an arm: `<rollout.draft>` or
-# `<rollout.draft>_<kind>`).
-ARM_NAMES = {
-  "none": "A: AR rollouts",
-  "fixed": "B: SD, fixed draft",
-  "cotrained": "C: SD, co-trained draft",
-  "cotrained_dflash": "D: SD, co-trained DFlash",
-  "cotrained_dspark": "E: SD, co-trained DSpark",
-  "fixed_dflash": "SD, fixed DFlash",
-  "fixed_dspark": "SD, fixed DSpark",
-}
 
 
 def parse_arm(arm: str, default_kind: str) -> tuple[str, str]:
