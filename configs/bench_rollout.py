@@ -138,6 +138,9 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     grid_rows=(1, 4, 16, 64, 128),
     grid_round_rows=(1, 4, 16, 64, 128),
   )
+  # the choice of G prices a round by the cost model corrected to the calibration's own timed
+  # rounds of the adaptive loop at every G (decode/cost.py: Correction); False: the fit alone
+  c.decode.cost_correction = True
   if smoke:
     c.bench.update(
       batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, min_seconds=0.0, max_new_tokens=16,

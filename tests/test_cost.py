@@ -12,6 +12,8 @@ import pytest
 from configs import default
 from specdraft import config as config_lib
 from specdraft.decode import cost, engine, speculative
+from specdraft.decode.rejection import rejection_sample
+from specdraft.decode.sampling import Sampling
 from specdraft.model import drafts, eagle3
 from specdraft.model import policy as pol
 
@@ -202,7 +204,10 @@ def test_calibration_is_cached_per_config(tmp_path, monkeypatch):
   grid = cost.Grid(rows=(1, 8, 64), tokens=(1, 6), round_rows=(1, 64), capacity=96)
   m1, rec = cost.calibrate(None, None, pcfg, dcfg, grid=grid, cache_dir=str(tmp_path))
   m2, _ = cost.calibrate(None, None, pcfg, dcfg, grid=grid, cache_dir=str(tmp_path))
-  assert len(calls) == 1 and m1.machine == m2.machine
+  assert len(calls) == 1 and m1.machine == m2.machine and m1.correction is None
+  m3, _ = cost.calibrate(None, None, pcfg, dcfg, grid=grid, cache_dir=str(tmp_path), correct=True)
+  assert len(calls) == 1 and m3.machine == m1.machine  # read back, corrected by its own points
+  assert m3.correction.rows == grid.rows and m3.correction.G == (0, 5)
   assert max(abs(p["rel_error"]) for p in rec["points"]) < 0.02
   (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
   assert json.load(open(tmp_path / path))["machine"] == dataclasses.asdict(m1.machine)
@@ -280,3 +285,111 @@ def test_the_shallow_policy_of_a_calibration_carries_the_draft():
   )  # fmt: skip
   assert (ar["model"], sd["model"], sd["tokens"]) == ("ar", "sd", 2)
   assert 0 < ar["seconds"] < 1 and 0 < sd["seconds"] < 1
+
+
+def _round_points(model: cost.CostModel, level, rows, Gs, capacity=96, kind=None):
+  """Timed rounds whose seconds are the model's times exp(level(rows, G)), with `predicted`."""
+  pts = []
+  for b in rows:
+    for G in Gs:
+      m = kind or ("ar" if G == 0 else "sd")
+      p = dict(model=m, rows=b, tokens=G, capacity=capacity)
+      p["predicted"] = cost.predict(model, p)
+      p["seconds"] = p["predicted"] * float(np.exp(level(b, G)))
+      pts.append(p)
+  return pts
+
+
+def test_the_correction_prices_rounds_as_the_calibration_timed_them():
+  """At a timed (rows, G) a corrected round is the measurement; between timed points the model's
+  shape scaled by the measurements' level, interpolated linearly in G and in log rows; beyond
+  them held flat. Shallow points are not used; the adaptive loop's own rounds, when timed, are
+  used instead of the fixed loop's; a row count missing a G is left out."""
+  pcfg, dcfg = _models()
+  model = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
+  level = lambda b, G: 0.1 * np.log2(b) + 0.05 * G - 0.02 * G * np.log2(b)  # noqa: E731
+  pts = _round_points(model, level, (1, 16, 64), (0, 2, 5))
+  pts += [dict(p, layers=1, seconds=9 * p["seconds"]) for p in pts]  # a shallow policy: ignored
+  pts += _round_points(model, lambda b, G: 5.0, (4,), (0, 2))  # no G = 5 at 4 rows: left out
+  k = cost.Correction.from_points(pts, pcfg.n_layers)
+  assert k.rows == (1, 16, 64) and k.G == (0, 2, 5)
+  for b in (1, 16, 64):
+    for G in (0, 2, 5):
+      assert k.factor(b, G) == pytest.approx(np.exp(level(b, G)), rel=1e-9)
+  # between: linear in G at a timed row count, linear in log rows at a timed G
+  mid_G = 0.5 * (level(16, 0) + level(16, 2))
+  assert k.factor(16, 1) == pytest.approx(np.exp(mid_G), rel=1e-9)
+  mid_rows = 0.5 * (level(1, 5) + level(16, 5))  # 4 rows: half-way from 1 to 16 in log rows
+  assert k.factor(4, 5) == pytest.approx(np.exp(mid_rows), rel=1e-9)
+  assert k.factor(256, 7) == pytest.approx(np.exp(level(64, 5)), rel=1e-9)  # flat beyond
+  corrected = dataclasses.replace(model, correction=k)
+  for b in (1, 4, 16, 100):
+    want = [model.round_seconds(b, G, 96) * k.factor(b, G) for G in range(6)]
+    np.testing.assert_allclose(corrected.round_seconds_all(b, 5, 96), want, rtol=1e-6)
+    np.testing.assert_allclose(
+      model.round_seconds_all(b, 5, 96), [model.round_seconds(b, G, 96) for G in range(6)],
+      rtol=1e-6,
+    )  # fmt: skip
+  for p in pts[:9]:
+    assert cost.predict_corrected(corrected, p) == pytest.approx(p["seconds"], rel=1e-9)
+  # the adaptive loop's rounds at every G take over from the fixed loop's
+  auto = _round_points(model, lambda b, G: 0.3 * G, (1, 64), range(6), kind="auto")
+  k2 = cost.Correction.from_points(pts + auto, pcfg.n_layers)
+  assert k2.rows == (1, 64) and k2.G == tuple(range(6))
+  assert k2.factor(8, 4) == pytest.approx(np.exp(1.2), rel=1e-9)
+  assert cost.Correction.from_points(pts[9:18], pcfg.n_layers) is None  # shallow only
+
+
+def test_the_correction_moves_the_choice_to_the_timed_best_G():
+  """A fit that prices a deep round too cheaply at large batches chooses it; the correction by
+  rounds timed there (G = 5 half again as dear as the fit says) moves the choice to G = 3, the
+  one with the most expected tokens per measured second (the case bench_rollout:auto met at 64
+  rows: G5/G3 timed 1.48x, fitted 1.21x)."""
+  pcfg, dcfg = _models()
+  machine = cost.Machine(2e-2, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9, 1e-6, 1e-7)  # a dear pass
+  model = cost.CostModel(machine, pcfg, dcfg)
+  b, M = 64, 5
+  rs = model.round_seconds_all(b, M, 96)
+  spec = speculative.Spec(pcfg, dcfg, 16, M, True, Sampling(1.0, 0, 1.0))
+  prior = cost.Acceptance.prior(M, rate=0.9, weight=100.0)
+  no_counts = {"accept_counts": jnp.zeros((M,)), "reach_counts": jnp.zeros((M,))}
+  expected = np.asarray([cost.expected_tokens(prior.rates(), G) for G in range(M + 1)])
+  # the level that makes G = 5 the model's choice and G = 3 the measurement's
+  level = lambda _, G: np.log(1.0 + 0.2 * max(G - 3, 0))  # noqa: E731
+  timed = rs * np.exp([level(b, G) for G in range(M + 1)])
+  assert np.argmax(expected / rs) == 5 and np.argmax(expected / timed) == 3
+  pts = _round_points(model, level, (16, 64), range(M + 1), kind="auto")
+  corrected = dataclasses.replace(model, correction=cost.Correction.from_points(pts, pcfg.n_layers))
+  pick = lambda m: int(
+    speculative.choose_num_draft(  # noqa: E731
+      no_counts, speculative.Choice.of(spec, m.round_seconds_all(b, M, 96), prior)
+    )
+  )
+  assert pick(model) == 5 and pick(corrected) == 3
+
+
+def test_the_adaptive_loop_is_timed_at_each_forced_G():
+  """The calibration's adaptive rounds: a forced choice runs every round at its G (the loop's own
+  counts of rounds per G), and each G of the loop is timed at each row count."""
+  pcfg, dcfg = _models()
+  params = pol.init_params(pcfg, 0)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  free = dataclasses.replace(pcfg, eos_id=-1, stop_ids=())
+  spec = speculative.Spec(free, dcfg, 8, 3, True, Sampling(1.0, 0, 1.0))
+  prompts, lengths = jnp.ones((2, 4), jnp.int32), jnp.full((2,), 4, jnp.int32)
+  carry = engine.init_jit(params, dparams, prompts, lengths, jax.random.key(0), spec=spec)
+  for G in (0, 2):
+    out = engine.run_jit(
+      params, dparams, carry, cost.forced_choice(spec, G), jnp.int32(0), spec=spec,
+      sampler=rejection_sample,
+    )  # fmt: skip
+    counts = np.asarray(out["stats"]["num_draft_counts"])
+    assert counts[G] > 0 and counts.sum() == counts[G], (G, counts)
+  pts = cost.time_adaptive_rounds(
+    params, dparams, pcfg, dcfg, rows=(1, 2), num_draft=2, prompt_len=4, new_tokens=6,
+    repeats=1,
+  )  # fmt: skip
+  assert [(p["model"], p["rows"], p["tokens"]) for p in pts] == [
+    ("auto", b, G) for b in (1, 2) for G in range(3)
+  ]
+  assert all(0 < p["seconds"] < 1 for p in pts)

@@ -7,6 +7,7 @@ run here at each batch size of `config.bench.batch_sizes`. Results go through
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -221,6 +222,7 @@ def run_adaptive(config, workdir: str) -> dict:
   params, _ = loop.sft_phase(ctx)
   dparams, _ = loop.draft_phase(ctx, params)
   M, N = max(b.num_drafts), b.max_new_tokens
+  correct = config.decode.get("cost_correction", True)
   grid = cost.Grid(
     rows=tuple(b.grid_rows),
     tokens=tuple(sorted({1, (M + 2) // 2, M + 1})),
@@ -228,10 +230,12 @@ def run_adaptive(config, workdir: str) -> dict:
     round_G=tuple(sorted({max(1, (M + 1) // 2), M})),
     capacity=ctx.prompt_len + N + M + 2,
     prompt_len=ctx.prompt_len,
+    adaptive=correct,
   )
   model, record = cost.calibrate(
-    params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost")
-  )
+    params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
+    correct=correct,
+  )  # fmt: skip
   window = config.decode.get("catch_up_window", 8)
   kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows, window=window)
   rows = []
@@ -263,6 +267,12 @@ def run_adaptive(config, workdir: str) -> dict:
     )  # fmt: skip
     row = _adaptive_row(B, samples, first, b.num_drafts)
     row["prior_rates"] = prior.rates().tolist()
+    # what auto chose G from at this batch (before compaction): the fit's seconds of a round at
+    # G = 0..M and the corrected ones (equal without decode.cost_correction)
+    capacity = int(prompts_BS.shape[1]) + N + M + 2
+    fit_only = dataclasses.replace(model, correction=None)
+    row["round_seconds_fit"] = fit_only.round_seconds_all(B, M, capacity).tolist()
+    row["round_seconds"] = model.round_seconds_all(B, M, capacity).tolist()
     row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
     rows.append(row)
     jax.clear_caches()  # this batch's compiles (every arm's buckets) are not needed again
@@ -283,6 +293,7 @@ def run_adaptive(config, workdir: str) -> dict:
       "d_model": ctx.pcfg.d_model,
     },
     "cost_model": record,
+    "cost_correction": dataclasses.asdict(model.correction) if model.correction else None,
     "rows": rows,
     "all_batches": {
       "auto_over_ar_min": min(r["auto_over_ar"] for r in rows),

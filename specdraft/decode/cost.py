@@ -41,6 +41,14 @@ policy and the draft, the fixed costs per pass and per layer are each model's ow
 own work has a per-layer part; every coefficient is per layer or per unit of work, so the model
 carries over to a policy size it was not fitted on.
 
+What an adaptive round chooses G by (`CostModel.round_seconds_all`) is the model corrected by
+the calibration's own timed rounds (`Correction`, `decode.cost_correction`): at the timed row
+counts, the adaptive loop's rounds timed at every G (`Grid.adaptive`), or AR steps and the fixed
+loop's rounds at a few G; between them the model's shape scaled to the nearby measurements. The
+choice compares rounds at the same rows whose expected tokens differ by 10-20%, finer than the
+fit's point errors (up to 25% on this CPU); the fit carries over to sizes and machines never
+timed, the correction does not.
+
 Shape letters: M = G_max (the most a round drafts).
 """
 
@@ -188,12 +196,61 @@ class Machine:
 
 
 @dataclasses.dataclass(frozen=True)
+class Correction:
+  """log(measured / predicted) seconds of whole rounds where the calibration timed them: an AR
+  step (G = 0) and SD rounds at each G of its round grid, at each of its row counts, full depth.
+  `factor` interpolates it linearly in G and in log rows between the timed points and holds it
+  flat beyond them, so a corrected round is the measurement at a timed (rows, G) and the model's
+  shape scaled by the nearby measurements' level elsewhere.
+
+  Why: the choice of G compares rounds at the same rows whose expected tokens differ by 10-20%,
+  so it needs their relative prices to a few percent; a global fit of the machine coefficients
+  misses single points by up to 25% on a CPU and can tilt the price of a deep round against a
+  shallow one (at 64 rows here it priced G = 5 over G = 3 at 1.21x where both were timed at
+  1.48x, and auto drafted G = 5 where G = 3 was faster). The correction is for choosing G at the
+  configs it was timed on; a policy size or machine never timed (a projection) has none."""
+
+  rows: tuple[int, ...]  # ascending
+  G: tuple[int, ...]  # ascending, from 0
+  log_ratio: tuple[tuple[float, ...], ...]  # [rows][G]
+
+  @classmethod
+  def from_points(cls, points: list[dict], n_layers: int) -> Correction | None:
+    """From a calibration record's points (each with its `predicted` seconds): the adaptive
+    loop's own rounds at every G when it timed them (`Grid.adaptive`), else AR steps (G = 0) and
+    the fixed loop's SD rounds; None when no row count has G = 0 timed (nothing to correct by)."""
+    kinds = ("auto",) if any(p["model"] == "auto" for p in points) else ("ar", "sd")
+    timed = {}
+    for p in points:
+      if p["model"] in kinds and p.get("layers", n_layers) == n_layers:
+        G = 0 if p["model"] == "ar" else int(p["tokens"])
+        timed[(int(p["rows"]), G)] = float(np.log(p["seconds"] / p["predicted"]))
+    Gs = sorted({G for _, G in timed})
+    rows = sorted(r for r in {r for r, _ in timed} if all((r, G) in timed for G in Gs))
+    if not rows or 0 not in Gs:
+      return None
+    table = tuple(tuple(timed[(r, G)] for G in Gs) for r in rows)
+    return cls(tuple(rows), tuple(Gs), table)
+
+  def factor(self, rows: int, G: int) -> float:
+    """measured / predicted at (rows, G): interpolated, held flat outside the timed points."""
+    table = np.asarray(self.log_ratio, np.float64)
+    at_G = [np.interp(G, self.G, t) for t in table] if len(self.G) > 1 else table[:, 0]
+    if len(self.rows) == 1:
+      return float(np.exp(at_G[0]))
+    return float(np.exp(np.interp(np.log(rows), np.log(self.rows), at_G)))
+
+
+@dataclasses.dataclass(frozen=True)
 class CostModel:
-  """Predicted seconds of passes, AR steps and SD rounds for one policy, draft and machine."""
+  """Predicted seconds of passes, AR steps and SD rounds for one policy, draft and machine, and
+  (`correction`) the calibration's measured level of whole rounds, which `round_seconds_all` (what
+  an adaptive round chooses G from) applies; every other prediction is the fitted model's alone."""
 
   machine: Machine
   pcfg: pol.PolicyConfig
   dcfg: object  # eagle3.DraftConfig | dflash.BlockDraftConfig | None (AR only)
+  correction: Correction | None = None
 
   def policy_seconds(self, rows: int, tokens: int, capacity: int) -> float:
     return self.machine.seconds(policy_work(self.pcfg, rows, tokens, capacity))
@@ -218,10 +275,12 @@ class CostModel:
     return t + steps + self.draft_seconds(rows, G + 1, capacity)
 
   def round_seconds_all(self, rows: int, num_draft_max: int, capacity: int) -> np.ndarray:
-    """[M + 1]: a round's predicted seconds at G = 0..M (what an adaptive round chooses from)."""
-    return np.asarray(
-      [self.round_seconds(rows, G, capacity) for G in range(num_draft_max + 1)], np.float32
-    )
+    """[M + 1]: a round's predicted seconds at G = 0..M (what an adaptive round chooses from),
+    corrected by the calibration's timed rounds when the model carries a `correction`."""
+    rs = [self.round_seconds(rows, G, capacity) for G in range(num_draft_max + 1)]
+    if self.correction is not None:
+      rs = [t * self.correction.factor(rows, G) for G, t in enumerate(rs)]
+    return np.asarray(rs, np.float32)
 
 
 class Acceptance(NamedTuple):
@@ -356,6 +415,11 @@ class Grid:
   # fixed seconds per pass and per layer cannot be told apart (nor a round's per-layer cost),
   # and a policy of another depth would be predicted from an arbitrary split
   shallow: bool = True
+  # also time the adaptive loop's own rounds, its choice forced to each G = 0..max(round_G) in
+  # turn, at every round_rows (full depth; one compile per row count, the choice being an
+  # argument): what an adaptive round costs at G, which `Correction` prices the choice by. Not
+  # fitted on (a plain step and the adaptive loop's branches are not the fixed loop's rounds).
+  adaptive: bool = False
 
 
 def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int, n_taps: int | None = None):
@@ -396,6 +460,11 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
     new_tokens=new_tokens,
     repeats=3,
   )
+  if grid.adaptive and dcfg is not None and grid.round_G:
+    out += time_adaptive_rounds(
+      params, dparams, pcfg, dcfg, rows=grid.round_rows, num_draft=max(grid.round_G),
+      prompt_len=grid.prompt_len, new_tokens=new_tokens, repeats=3,
+    )  # fmt: skip
   depth = max(1, pcfg.n_layers // 2)
   if grid.shallow and depth < pcfg.n_layers:
     sparams, scfg = shallow_policy(params, pcfg, depth)
@@ -470,6 +539,54 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
   return out
 
 
+def forced_choice(spec, G: int):
+  """An adaptive loop's choice that always picks G: every other G's round "costs" a billion
+  seconds (the expected tokens of a round are between 1 and G_max + 1)."""
+  from specdraft.decode import speculative
+
+  forced = np.full((spec.num_draft + 1,), 1e9, np.float32)
+  forced[G] = 1.0
+  return speculative.Choice.of(spec, forced, Acceptance.prior(spec.num_draft))
+
+
+def time_adaptive_rounds(
+  params, dparams, pcfg, dcfg, *, rows, num_draft, prompt_len, new_tokens, repeats
+):
+  """Seconds of a round of the adaptive loop (G_max = `num_draft`) with its choice forced to each
+  G = 0..G_max, at each row count: the rounds `decode.num_draft=auto` runs (the choice, the switch
+  between round kinds, plain steps at G = 0; no catch-up, G never changing in a stage).
+  [{model: auto, rows, tokens: G, capacity, seconds}]"""
+  from specdraft.decode import engine, speculative
+  from specdraft.decode.rejection import rejection_sample
+  from specdraft.decode.sampling import Sampling
+
+  pcfg = dataclasses.replace(pcfg, eos_id=-1, stop_ids=())
+  spec = speculative.Spec(pcfg, dcfg, new_tokens, num_draft, True, Sampling(1.0, 0, 1.0))
+  capacity = prompt_len + new_tokens + num_draft + 2
+  out = []
+  for b in rows:
+    rng = np.random.default_rng(b)
+    prompts = rng.integers(3, pcfg.vocab_size, (b, prompt_len)).astype(np.int32)
+    prompts[:, 0] = 1
+    prompts, lengths = jnp.asarray(prompts), jnp.full((b,), prompt_len, jnp.int32)
+    key = jax.random.key(b)
+    init = lambda: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec)
+    stages = []
+    for G in range(num_draft + 1):
+      choice = forced_choice(spec, G)
+      stage = lambda c, choice=choice: engine.run_jit(
+        params, dparams, c, choice, jnp.int32(0), spec=spec, sampler=rejection_sample
+      )
+      stages.append((init, stage))
+    seconds = _time_stages(stages, repeats)
+    out += [
+      dict(model="auto", rows=b, tokens=G, capacity=capacity, seconds=s)
+      for G, s in enumerate(seconds)
+    ]
+    jax.clear_caches()
+  return out
+
+
 def _time_stages(stages, repeats: int, min_s: float = 0.2) -> list[float]:
   """Seconds per round of each (init, stage) pair, a stage run from its init's carry (each compiled
   and warmed first). The pairs are timed in turn, `repeats` times round the list and on until
@@ -510,7 +627,23 @@ def predict(model: CostModel, point: dict) -> float:
     return model.draft_seconds(b, t, cap)
   if m == "ar":
     return model.ar_step_seconds(b, cap)
+  if m == "auto":  # the adaptive loop's round at a forced G (G = 0: a plain step)
+    return model.round_seconds(b, t, cap)
   return model.round_seconds(b, t, cap, plain=False)  # timed in a loop at fixed G
+
+
+def predict_corrected(model: CostModel, point: dict) -> float:
+  """`predict` times the model's correction for a full-depth AR step or SD round (what an
+  adaptive round's choice sees); other points are the fitted model's alone."""
+  t = predict(model, point)
+  c, m = model.correction, point["model"]
+  if (
+    c is None
+    or m not in ("ar", "sd", "auto")
+    or point.get("layers", model.pcfg.n_layers) != model.pcfg.n_layers
+  ):
+    return t
+  return t * c.factor(point["rows"], 0 if m == "ar" else point["tokens"])
 
 
 def fit(points: list[dict], pcfg, dcfg) -> Machine:
@@ -519,6 +652,7 @@ def fit(points: list[dict], pcfg, dcfg) -> Machine:
   and sum), several starts each, the best kept."""
   from scipy.optimize import least_squares
 
+  points = [p for p in points if p["model"] != "auto"]  # the correction's, not the fit's
   t = np.log(np.asarray([p["seconds"] for p in points]))
 
   def resid(x, overlap):
@@ -575,17 +709,28 @@ def calibrate(
   grid: Grid = Grid(),
   cache_dir: str | None = None,
   min_s: float = 0.05,
+  correct: bool = False,
 ) -> tuple[CostModel, dict]:
   """(CostModel, record): the coefficients fitted from timed passes at `grid`, read from
   `cache_dir/<key>.json` when an earlier calibration of the same configs on the same backend
-  wrote it. The record holds the points, the coefficients and each point's relative error."""
+  wrote it. The record holds the points, the coefficients and each point's relative error.
+  `correct`: the model carries the `Correction` of its timed rounds (`decode.cost_correction`)."""
+
+  def model_of(record):
+    model = CostModel(Machine(**record["machine"]), pcfg, dcfg)
+    if correct:
+      model = dataclasses.replace(
+        model, correction=Correction.from_points(record["points"], pcfg.n_layers)
+      )
+    return model
+
   path = None
   if cache_dir:
     path = os.path.join(cache_dir, f"cost_{cache_key(pcfg, dcfg, grid)}.json")
     if os.path.exists(path):
       with open(path) as f:
         record = json.load(f)
-      return CostModel(Machine(**record["machine"]), pcfg, dcfg), record
+      return model_of(record), record
   t0 = time.perf_counter()
   points = measure(params, dparams, pcfg, dcfg, grid, min_s=min_s)
   machine = fit(points, pcfg, dcfg)
@@ -607,4 +752,4 @@ def calibrate(
     with open(tmp, "w") as f:
       json.dump(record, f, indent=1)
     os.replace(tmp, path)
-  return model, record
+  return model_of(record), record

@@ -234,6 +234,7 @@ class Context:
     so every process chooses the same G)."""
     if self._cost_model is None:
       c = self.config
+      correct = c.decode.get("cost_correction", True)
       rows = c.rl.prompts_per_step * c.rl.group_size
       G, N = c.decode.num_draft, c.rl.max_new_tokens or c.decode.max_new_tokens
       grid = cost.Grid(
@@ -243,6 +244,7 @@ class Context:
         round_G=tuple(sorted({max(1, (G + 1) // 2), G})),
         capacity=self.prompt_len + N + G + 2,
         prompt_len=self.prompt_len,
+        adaptive=correct,
       )
       cache_dir = os.path.join(self.workdir, "cost")
       model, _ = cost.calibrate(
@@ -252,6 +254,7 @@ class Context:
         self.dcfg,
         grid=grid,
         cache_dir=cache_dir,
+        correct=correct,
       )
       if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -261,6 +264,11 @@ class Context:
         *coef, overlap = map(float, coef)
         machine = cost.Machine(*coef, overlap=bool(overlap))
         model = dataclasses.replace(model, machine=machine)
+        if model.correction is not None:  # its shape is the grid's, the same in every process
+          k = model.correction
+          table = multihost_utils.broadcast_one_to_all(np.asarray(k.log_ratio, np.float64))
+          correction = dataclasses.replace(k, log_ratio=tuple(map(tuple, table.tolist())))
+          model = dataclasses.replace(model, correction=correction)
       self._cost_model = model
     return self._cost_model
 
