@@ -85,16 +85,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       what="largest |predicted/measured - 1| over AR steps and SD rounds of a policy size the "
       "coefficients were not fitted on",
     ),
-    # Fixed 2026-12-07, before the first run with it: the same rounds as `rounds`, predicted by
-    # the fit corrected by the calibration's own timed rounds (decode.cost.Correction), which is
-    # what auto G chooses by. A new goal beside `rounds`, which stays as it was.
-    rounds_corrected=dict(
-      metric="metrics.max_round_error_corrected",
+    # Fixed 2026-12-07, before the first run with it; a new goal beside `rounds`, which stays as
+    # it was: the rounds of `rounds` whose (rows, G) the calibration did not time, predicted by
+    # the fit corrected by the calibration's own timed AR steps and SD rounds
+    # (decode.cost.Correction, the form auto G's prices take); at the timed points the
+    # corrected price is the calibration's measurement (metrics.max_round_error_corrected_at_timed
+    # is reported: the host's repeatability, no goal).
+    rounds_corrected_between=dict(
+      metric="metrics.max_round_error_corrected_between",
       op="<=",
       target=0.15,
       fixed="2026-12-07",
       what="largest |corrected predicted/measured - 1| over AR steps and SD rounds (rows "
-      "1..128, G 0..5) on the calibrated sizes",
+      "1..128, G 0..5) at (rows, G) the calibration did not time, on the calibrated sizes",
     ),
   )
   return c

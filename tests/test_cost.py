@@ -240,6 +240,34 @@ def test_the_bench_pairs_rounds_timed_twice():
   assert np.isnan(cost_model._max_abs([]))
 
 
+def test_the_bench_splits_corrected_errors_at_and_between_timed_rounds():
+  """bench_cost's corrected prediction of a validated round: the calibration's measurement at a
+  (rows, G) it timed (so the error there is the host's repeatability), the fit scaled by the
+  interpolated level between them, the fit alone for a fixed loop's SD round at G = 0."""
+  from specdraft.bench import cost_model
+
+  pcfg, dcfg = _models()
+  model = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
+  level = lambda b, G: 0.2 * np.log2(b) + 0.1 * G  # noqa: E731
+  cal = _round_points(model, level, (1, 16), (0, 2))
+  rounds = _round_points(model, level, (1, 4, 16), (0, 1, 2))
+  rounds.append(dict(model="sd", rows=4, tokens=0, capacity=96))
+  for p in rounds:
+    p["predicted"] = cost.predict(model, p)
+    p["seconds"] = p["seconds"] * 1.1 if "seconds" in p else p["predicted"] * 1.3
+    p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
+  out = cost_model.corrected_errors(model, cal, rounds)
+  timed = [(p["rows"], p["tokens"]) for p in rounds if p["timed_for_fit"]]
+  assert timed == [(1, 0), (1, 2), (16, 0), (16, 2)]
+  # the level is linear in G and log rows, so the correction is exact between: every corrected
+  # error is the 10% the validation's timing added, except the G = 0 SD round's (the fit's)
+  assert out["max_abs_corrected_at_timed"] == pytest.approx(1 - 1 / 1.1, abs=1e-9)
+  assert out["max_abs_corrected_between"] == pytest.approx(1 - 1 / 1.3, abs=1e-9)
+  sd0 = rounds[-1]
+  assert sd0["predicted_corrected"] == sd0["predicted"] and not sd0["timed_for_fit"]
+  assert all(abs(abs(p["rel_error_corrected"]) - (1 - 1 / 1.1)) < 1e-9 for p in rounds[:-1])
+
+
 def test_buckets_by_hand():
   assert engine.buckets(64) == [64, 32, 16, 8, 4, 2, 1]
   assert engine.buckets(64, 4) == [64, 32, 16, 8, 4]

@@ -65,22 +65,13 @@ def run(config, workdir: str) -> dict:
       new_tokens=b.new_tokens,
       repeats=b.repeats,
     )
-    # what an adaptive round's choice sees: the fit corrected by the calibration's timed rounds
-    # (decode.cost.Correction; a held-out size has no timed rounds, so no correction)
-    corrected = None
-    if "calibration" in entry:
-      k = cost.Correction.from_points(entry["calibration"]["points"], pcfg.n_layers)
-      corrected = dataclasses.replace(model, correction=k)
     for p in points:
       p["predicted"] = cost.predict(model, p)
       p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
-      if corrected is not None:
-        p["predicted_corrected"] = cost.predict_corrected(corrected, p)
-        p["rel_error_corrected"] = p["predicted_corrected"] / p["seconds"] - 1.0
+    if "calibration" in entry:
+      entry.update(corrected_errors(model, entry["calibration"]["points"], points))
     entry["rounds"] = points
     entry["max_abs_round_error"] = max(abs(p["rel_error"]) for p in points)
-    if corrected is not None:
-      entry["max_abs_round_error_corrected"] = max(abs(p["rel_error_corrected"]) for p in points)
     if "calibration" in entry:
       entry["repeats"] = repeat_pairs(entry["calibration"]["points"], points)
     sizes[name] = entry
@@ -96,8 +87,12 @@ def run(config, workdir: str) -> dict:
     "held_out": sizes[b.held_out.size]["max_abs_round_error"],
     "max_calibration_error": max(sizes[n]["max_abs_calibration_error"] for n in b.sizes),
     "max_round_error": max(sizes[n]["max_abs_round_error"] for n in b.sizes),
-    "rounds_corrected": {n: sizes[n]["max_abs_round_error_corrected"] for n in b.sizes},
-    "max_round_error_corrected": max(sizes[n]["max_abs_round_error_corrected"] for n in b.sizes),
+    # the fit corrected by the calibration's own timed rounds, at the validated rounds it did
+    # not time (what the correction adds between timed points) and at those it did (there it is
+    # the calibration's own measurement, so this is the host's repeatability again)
+    "rounds_corrected_between": {n: sizes[n]["max_abs_corrected_between"] for n in b.sizes},
+    "max_round_error_corrected_between": _max_of(sizes, b.sizes, "max_abs_corrected_between"),
+    "max_round_error_corrected_at_timed": _max_of(sizes, b.sizes, "max_abs_corrected_at_timed"),
     # a diagnostic, not a goal: how well this host repeats its own timings (see repeat_pairs)
     "timing_repeatability": {n: _max_abs(sizes[n]["repeats"]) for n in b.sizes},
     "max_timing_repeatability": _max_abs([q for n in b.sizes for q in sizes[n]["repeats"]]),
@@ -106,6 +101,34 @@ def run(config, workdir: str) -> dict:
   return provenance.publish(
     workdir, results, b.goals, table=table, plot=plot, plot_name="cost_model.png"
   )
+
+
+def corrected_errors(model: cost.CostModel, calibration: list[dict], rounds: list[dict]) -> dict:
+  """The validated rounds predicted by the fit corrected by the calibration's timed rounds
+  (`decode.cost.Correction`; here from its AR steps and the fixed loop's SD rounds, the kinds
+  this benchmark validates): each round's `predicted_corrected`, `rel_error_corrected` and
+  `timed_for_fit` (its (rows, G) is one the calibration timed), and the largest |error| apart
+  and at the timed points. A fixed loop's SD round at G = 0 (the draft still takes in each token)
+  is not what the AR steps timed, so it keeps the fit's prediction."""
+  k = cost.Correction.from_points(calibration, model.pcfg.n_layers)
+  corrected = dataclasses.replace(model, correction=k)
+  timed = {(r, G) for r in k.rows for G in k.G} if k else set()
+  between, at_timed = [], []
+  for p in rounds:
+    G = p["tokens"]
+    same = p["model"] == "sd" and G == 0
+    p["predicted_corrected"] = p["predicted"] if same else cost.predict_corrected(corrected, p)
+    p["rel_error_corrected"] = p["predicted_corrected"] / p["seconds"] - 1.0
+    p["timed_for_fit"] = (p["rows"], G) in timed and not same
+    (at_timed if p["timed_for_fit"] else between).append(abs(p["rel_error_corrected"]))
+  return {
+    "max_abs_corrected_between": max(between, default=float("nan")),
+    "max_abs_corrected_at_timed": max(at_timed, default=float("nan")),
+  }
+
+
+def _max_of(sizes: dict, names, key: str) -> float:
+  return max(sizes[n][key] for n in names)
 
 
 def repeat_pairs(calibration: list[dict], rounds: list[dict]) -> list[dict]:
@@ -160,8 +183,8 @@ def plot(results: dict, path: str) -> None:
 
 def table(results: dict) -> str:
   lines = [
-    "Corrected: the fit scaled by the calibration's own timed rounds, what auto G chooses by "
-    "(held-out size: none).",
+    "Corrected: the fit scaled by the calibration's own timed AR steps and SD rounds "
+    "(decode.cost.Correction; * a (rows, G) the calibration timed; held-out size: none).",
     "",
     "| size | kind | rows | G | measured ms | predicted ms | error | corrected error |",
     "|---|---|---|---|---|---|---|---|",
@@ -172,7 +195,7 @@ def table(results: dict) -> str:
       lines.append(
         f"| {name} | {p['model']} | {p['rows']} | {p['tokens']} | {p['seconds'] * 1e3:.3f} | "
         f"{p['predicted'] * 1e3:.3f} | {p['rel_error']:+.1%} | "
-        + ("-" if c is None else f"{c:+.1%}")
+        + ("-" if c is None else f"{c:+.1%}" + ("*" if p.get("timed_for_fit") else ""))
         + " |"
       )
   pairs = [(n, p) for n, e in results["sizes"].items() for p in e.get("repeats", [])]
