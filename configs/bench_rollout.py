@@ -137,6 +137,9 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     # AR steps and SD rounds at (G_max + 1)/2 and G_max at grid_round_rows (decode/cost.py)
     grid_rows=(1, 4, 16, 64, 128),
     grid_round_rows=(1, 4, 16, 64, 128),
+    # also time auto with G chosen once per compaction stage (decode.auto_every = stage: each
+    # stage the fixed loop at its G), beside auto's per-round choice
+    auto_stage=True,
   )
   # the choice of G prices a round by the cost model corrected to the calibration's own timed
   # rounds of the adaptive loop at every G (decode/cost.py: Correction); False: the fit alone
@@ -176,6 +179,29 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
       target=True,
       fixed="2026-12-04",
       what="greedy auto-G SD tokens == greedy AR tokens on every row, every batch size",
+    ),
+    # Fixed 2026-12-07, before the first run with the auto_stage arm: the same targets for G
+    # chosen per stage (the goals above keep measuring the per-round choice)
+    auto_stage_never_slower=dict(
+      metric="all_batches.auto_stage_over_ar_min",
+      op=">=",
+      target=0.98,
+      fixed="2026-12-07",
+      what="auto G per stage tokens/s over AR tokens/s, lowest over batch sizes (both compacted)",
+    ),
+    auto_stage_near_best_fixed=dict(
+      metric="all_batches.auto_stage_over_best_fixed_min",
+      op=">=",
+      target=0.95,
+      fixed="2026-12-07",
+      what="auto G per stage tokens/s over the best fixed G's (1..5), lowest over batch sizes",
+    ),
+    greedy_equal_stage=dict(
+      metric="all_batches.greedy_equal_stage",
+      op="==",
+      target=True,
+      fixed="2026-12-07",
+      what="greedy auto-G-per-stage SD tokens == greedy AR tokens on every row, every batch size",
     ),
   )
   return c

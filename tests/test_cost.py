@@ -365,6 +365,8 @@ def test_the_correction_prices_rounds_as_the_calibration_timed_them():
   k2 = cost.Correction.from_points(pts + auto, pcfg.n_layers)
   assert k2.rows == (1, 64) and k2.G == tuple(range(6))
   assert k2.factor(8, 4) == pytest.approx(np.exp(1.2), rel=1e-9)
+  # a G chosen per stage runs the fixed loop: its correction stays the AR steps' and SD rounds'
+  assert cost.Correction.from_points(pts + auto, pcfg.n_layers, every="stage") == k
   assert cost.Correction.from_points(pts[9:18], pcfg.n_layers) is None  # shallow only
 
 
@@ -421,3 +423,18 @@ def test_the_adaptive_loop_is_timed_at_each_forced_G():
     ("auto", b, G) for b in (1, 2) for G in range(3)
   ]
   assert all(0 < p["seconds"] < 1 for p in pts)
+
+
+def test_auto_every_is_validated_before_any_work(tmp_path):
+  """decode.auto_every (G chosen per round or per stage) is checked when a run's context is
+  built, before the task, the data or any compile."""
+  from specdraft.train import phases
+
+  c = default.get_config("smoke")
+  c.parallel.devices = 1
+  c.decode.auto_every = "often"
+  with pytest.raises(ValueError, match=r"config.decode.auto_every='often' is invalid: expected"):
+    phases.Context(c, str(tmp_path))
+  assert not os.listdir(tmp_path)
+  with pytest.raises(ValueError, match=r"every='often': expected one of \('round', 'stage'\)"):
+    cost.Correction.from_points([], 2, every="often")

@@ -205,10 +205,22 @@ def _flat_cost(pcfg, dcfg, slope: float):
   from specdraft.decode import cost
 
   class Flat(cost.CostModel):
-    def round_seconds_all(self, rows, num_draft_max, capacity):
+    def round_seconds_all(self, rows, num_draft_max, capacity, plain=True):
       return _adaptive_choice(num_draft_max, slope)
 
   return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
+
+
+def _priced_cost(pcfg, dcfg, prices: dict):
+  """A cost model whose round seconds at G = 0..3 are `prices[rows]` (None: every row count)."""
+  from specdraft.decode import cost
+
+  class Priced(cost.CostModel):
+    def round_seconds_all(self, rows, num_draft_max, capacity, plain=True):
+      assert not plain  # a stage's G = 0 is a fixed loop's round (the draft takes the token in)
+      return np.asarray(prices.get(rows, prices.get(None)), np.float32)
+
+  return Priced(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
 
 
 def test_compacted_ar_keeps_greedy_and_sampled_tokens(policy_setup):
@@ -328,6 +340,63 @@ def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
       num_draft=G,
     )
     np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
+
+
+def test_g_per_stage_keeps_greedy_ar_tokens_across_every_g(setup):
+  """auto_every = stage: the host plans one G per bucket (here 0 at 12 rows, 3 at 8, 1 at 4) and
+  each stage runs a fixed loop at it on the carry the last stage left (buffers sized by G_max;
+  through a G = 0 stage the draft takes in every token, so it drafts in step afterwards): greedy
+  output is AR's token for token, and the rounds ran at the planned G."""
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  # deeper rounds cost more the more rows ride in them (with `_prior`'s rate 0.97)
+  prices = {12: [1, 5, 9, 13], 8: [1, 1.1, 1.2, 1.3], 4: [1, 1.5, 10, 10]}
+  cost, prior = _priced_cost(pcfg, dcfg, prices), _prior(3)
+  spec = speculative.Spec(pcfg, dcfg, N, 3, True, None)
+  assert engine.stage_plan(cost, prior, [12, 8, 4], spec, 99) == {12: 0, 8: 3, 4: 1}
+  gen = engine.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
+    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
+    compact=True, min_rows=4,
+  )  # fmt: skip
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  st = jax.device_get(gen.stats)
+  trace = st["num_draft_trace"][: st["rounds"]]
+  assert trace[0] == 0 and set(trace.tolist()) <= {0, 1, 3}, trace
+  assert (np.diff(trace[trace != 1]) >= 0).all(), trace  # the G = 0 stage came first
+  assert st["num_draft_counts"][0] > 0 and st["num_draft_counts"][3] > 0, st["num_draft_counts"]
+
+
+def test_g_per_stage_is_the_fixed_loop_at_the_planned_g(setup):
+  """With prices that do not depend on the rows every stage plans the same G, and the sampled
+  output is the fixed-G loop's at that G, token for token (same keys, same rounds; only the
+  buffers are sized by G_max), with and without compaction."""
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, _, _ = setup
+  cost, prior = _priced_cost(pcfg, dcfg, {None: [1, 1.5, 2, 10]}), _prior(3)
+  plan = engine.stage_plan(
+    cost, prior, [12, 8, 4], speculative.Spec(pcfg, dcfg, N, 3, True, None), 99
+  )
+  assert plan == {12: 2, 8: 2, 4: 2}, plan  # below G_max: the buffers are larger than G's loop's
+  G = 2
+  ref = speculative.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(5), max_new_tokens=N,
+    temperature=1.0, num_draft=G,
+  )  # fmt: skip
+  for compact in (True, False):
+    gen = engine.generate(
+      params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(5), max_new_tokens=N,
+      temperature=1.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
+      compact=compact, min_rows=4,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(
+      np.asarray(gen.logprobs), np.asarray(ref.logprobs), rtol=1e-5, atol=1e-6
+    )
+    assert jax.device_get(gen.stats)["num_draft_counts"].tolist()[G] == int(gen.stats["rounds"])
 
 
 def _scheduled(setup, schedule, *, window: int, record=None):

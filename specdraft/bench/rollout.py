@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from specdraft.bench import provenance
-from specdraft.decode import autoregressive, cost, engine
+from specdraft.decode import autoregressive, cost, engine, speculative
 from specdraft.decode.compare import (
   compare_rollouts,
   engine_arms,
@@ -236,6 +236,11 @@ def run_adaptive(config, workdir: str) -> dict:
     params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
     correct=correct,
   )  # fmt: skip
+  # G chosen per stage (decode.auto_every = stage) runs the fixed loop: its correction is from
+  # the calibration's AR steps and fixed-loop rounds
+  stage = b.get("auto_stage", False)
+  stage_fix = cost.Correction.from_points(record["points"], ctx.pcfg.n_layers, every="stage")
+  stage_model = dataclasses.replace(model, correction=stage_fix if correct else None)
   window = config.decode.get("catch_up_window", 8)
   kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows, window=window)
   rows = []
@@ -249,18 +254,17 @@ def run_adaptive(config, workdir: str) -> dict:
     )  # fmt: skip
     stats = {k: multihost.to_host(warm.stats[k]) for k in ("accept_counts", "reach_counts")}
     prior = prior.updated(stats, keep=config.decode.prior_keep)
-    run = engine_arms(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B,
-      num_drafts=b.num_drafts, cost=model, prior=prior, **kw,
-    )  # fmt: skip
+    arms_kw = dict(num_drafts=b.num_drafts, cost=model, prior=prior, **kw)
+    if stage:
+      arms_kw["stage_cost"] = stage_model
+    run = engine_arms(params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, **arms_kw)
     run["ar_plain"] = lambda key, t: autoregressive.generate(
       params, ctx.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
     )
     # the first (untimed) calls run every bucket's stage: no timed call compiles one
     every_stage = engine_arms(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B,
-      num_drafts=b.num_drafts, cost=model, prior=prior, every_stage=True, **kw,
-    )  # fmt: skip
+      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=True, **arms_kw
+    )
     first, samples = time_side_by_side(
       run, temperature=b.temperature, repeats=b.repeats, seed=100, warm=every_stage,
       min_seconds=b.get("min_seconds", 0.0),
@@ -274,11 +278,29 @@ def run_adaptive(config, workdir: str) -> dict:
     row["round_seconds_fit"] = fit_only.round_seconds_all(B, M, capacity).tolist()
     row["round_seconds"] = model.round_seconds_all(B, M, capacity).tolist()
     row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
+    if stage:  # the G each bucket's stage drafted, and what it was chosen from
+      sizes = engine.buckets(B, b.min_rows)
+      spec = speculative.Spec(ctx.pcfg, ctx.dcfg, N, M, True, None)
+      row["stage_plan"] = {str(k): v for k, v in engine.stage_plan(
+        stage_model, prior, sizes, spec, capacity
+      ).items()}  # fmt: skip
+      row["round_seconds_stage"] = stage_model.round_seconds_all(
+        B, M, capacity, plain=False
+      ).tolist()
+      eq = greedy_agreement(run["ar"], run["auto_stage"], jax.random.key(100))
+      row["greedy_equal_stage"] = eq["greedy_equal"]
+      row["greedy_rows_differing_stage"] = eq["greedy_rows_differing"]
     rows.append(row)
     jax.clear_caches()  # this batch's compiles (every arm's buckets) are not needed again
+    per_stage = (
+      f", auto_stage/AR {row['auto_stage_over_ar']:.2f}x, auto_stage/best "
+      f"{row['auto_stage_over_best_fixed']:.2f} (G by bucket {row['stage_plan']})"
+      if stage
+      else ""
+    )
     print(
       f"  batch {B}: auto/AR {row['auto_over_ar']:.2f}x, best fixed G={row['best_fixed']} "
-      f"{row['best_fixed_over_ar']:.2f}x, auto/best {row['auto_over_best_fixed']:.2f}",
+      f"{row['best_fixed_over_ar']:.2f}x, auto/best {row['auto_over_best_fixed']:.2f}{per_stage}",
       flush=True,
     )
   payload = {
@@ -289,6 +311,7 @@ def run_adaptive(config, workdir: str) -> dict:
       "repeats": b.repeats,
       "min_seconds": b.get("min_seconds", 0.0),
       "min_rows": b.min_rows,
+      "auto_stage": stage,
       "policy_layers": ctx.pcfg.n_layers,
       "d_model": ctx.pcfg.d_model,
     },
@@ -299,6 +322,15 @@ def run_adaptive(config, workdir: str) -> dict:
       "auto_over_ar_min": min(r["auto_over_ar"] for r in rows),
       "auto_over_best_fixed_min": min(r["auto_over_best_fixed"] for r in rows),
       "greedy_equal": all(r["greedy_equal"] for r in rows),
+      **(
+        {
+          "auto_stage_over_ar_min": min(r["auto_stage_over_ar"] for r in rows),
+          "auto_stage_over_best_fixed_min": min(r["auto_stage_over_best_fixed"] for r in rows),
+          "greedy_equal_stage": all(r["greedy_equal_stage"] for r in rows),
+        }
+        if stage
+        else {}
+      ),
     },
     "training_summary": summary,
   }
@@ -316,7 +348,17 @@ def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
   over_ar = {k: r / rate["ar"] for k, r in rate.items()}
   best = max((int(G) for G in num_drafts), key=lambda G: rate[str(G)])
   auto = samples["auto"]
+  stage = (
+    {
+      "auto_stage_over_ar": over_ar["auto_stage"],
+      "auto_stage_over_best_fixed": rate["auto_stage"] / rate[str(best)],
+      "auto_stage_num_draft_counts": samples["auto_stage"][-1].get("num_draft_counts"),
+    }
+    if "auto_stage" in samples
+    else {}
+  )
   return {
+    **stage,
     "batch": B,
     "tokens_per_s": rate,
     "over_ar": over_ar,
@@ -345,15 +387,22 @@ def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
 
 def adaptive_table(results) -> str:
   arms = ["ar_plain"] + [str(G) for G in results["config"]["num_drafts"]] + ["auto"]
+  if results["config"].get("auto_stage"):
+    arms.append("auto_stage")
+  stage = results["config"].get("auto_stage", False)
   head = " ".join(f"{('G=' + a) if a.isdigit() else a:>8}" for a in arms)
+  extra = f" {'stage/best':>10}" if stage else ""
   lines = [
-    "tokens/s over compacted AR (every arm compacted but ar_plain); best = best fixed G",
-    f"{'batch':>5} {'AR tok/s':>9} {head} {'best':>4} {'auto/best':>9} {'greedy=':>7}",
+    "tokens/s over compacted AR (every arm compacted but ar_plain); best = best fixed G; "
+    "auto_stage: G chosen per compaction stage",
+    f"{'batch':>5} {'AR tok/s':>9} {head} {'best':>4} {'auto/best':>9}{extra} {'greedy=':>7}",
   ]
   for r in results["rows"]:
     cells = " ".join(f"{r['over_ar'][a]:>8.2f}" for a in arms)
+    extra = f" {r['auto_stage_over_best_fixed']:>10.2f}" if stage else ""
+    greedy = r["greedy_equal"] and r.get("greedy_equal_stage", True)
     lines.append(
       f"{r['batch']:>5} {r['tokens_per_s']['ar']:>9.1f} {cells} {r['best_fixed']:>4} "
-      f"{r['auto_over_best_fixed']:>9.2f} {str(r['greedy_equal']):>7}"
+      f"{r['auto_over_best_fixed']:>9.2f}{extra} {str(greedy):>7}"
     )
   return "\n".join(lines)

@@ -258,17 +258,21 @@ def engine_pair(
 
 
 def engine_arms(
-  params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, *, num_drafts, cost, prior, **kw
-) -> dict:
+  params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, *, num_drafts, cost, prior,
+  stage_cost=None, **kw,
+) -> dict:  # fmt: skip
   """Rollouts through `decode.engine` (finished rows compacted away in every arm): {"ar": AR,
   G: SD at that fixed G for each G of `num_drafts`, "auto": SD choosing G in 0..max(num_drafts)
-  per round from `cost` and the acceptance `prior`}, each (key, temperature) -> Generation."""
-  arm = lambda G, adaptive: lambda key, t: engine.generate(
+  per round from `cost` and the acceptance `prior`, and with `stage_cost` "auto_stage": G chosen
+  per stage from it (decode.auto_every = stage)}, each (key, temperature) -> Generation."""
+  arm = lambda G, adaptive, c=cost, per_stage=False: lambda key, t: engine.generate(
     params, dparams, pcfg, dcfg, prompts_BS, prompt_lengths_B, key, temperature=t,
-    num_draft=G, adaptive=adaptive, cost=cost, prior=prior, **kw,
+    num_draft=G, adaptive=adaptive, cost=c, prior=prior, per_stage=per_stage, **kw,
   )  # fmt: skip
   run = {"ar": arm(0, False), **{int(G): arm(int(G), False) for G in num_drafts}}
   run["auto"] = arm(max(num_drafts), True)
+  if stage_cost is not None:
+    run["auto_stage"] = arm(max(num_drafts), True, stage_cost, True)
   return run
 
 

@@ -195,6 +195,10 @@ class Machine:
     )
 
 
+# decode.auto_every: auto G chosen before every round (in the adaptive loop) or once per stage
+AUTO_EVERY = ("round", "stage")
+
+
 @dataclasses.dataclass(frozen=True)
 class Correction:
   """log(measured / predicted) seconds of whole rounds where the calibration timed them: an AR
@@ -215,11 +219,17 @@ class Correction:
   log_ratio: tuple[tuple[float, ...], ...]  # [rows][G]
 
   @classmethod
-  def from_points(cls, points: list[dict], n_layers: int) -> Correction | None:
-    """From a calibration record's points (each with its `predicted` seconds): the adaptive
-    loop's own rounds at every G when it timed them (`Grid.adaptive`), else AR steps (G = 0) and
-    the fixed loop's SD rounds; None when no row count has G = 0 timed (nothing to correct by)."""
-    kinds = ("auto",) if any(p["model"] == "auto" for p in points) else ("ar", "sd")
+  def from_points(
+    cls, points: list[dict], n_layers: int, *, every: str = "round"
+  ) -> Correction | None:
+    """From a calibration record's points (each with its `predicted` seconds): for a G chosen
+    every round, the adaptive loop's own rounds at every G when it timed them (`Grid.adaptive`),
+    else (and for a G chosen per stage, `every` = "stage", which runs the fixed loop) AR steps
+    (G = 0) and the fixed loop's SD rounds; None when no row count has G = 0 timed."""
+    if every not in AUTO_EVERY:
+      raise ValueError(f"every={every!r}: expected one of {AUTO_EVERY}")
+    auto = every == "round" and any(p["model"] == "auto" for p in points)
+    kinds = ("auto",) if auto else ("ar", "sd")
     timed = {}
     for p in points:
       if p["model"] in kinds and p.get("layers", n_layers) == n_layers:
@@ -274,10 +284,14 @@ class CostModel:
     steps = self.draft_seconds(rows, 1, capacity) * (G - 1)
     return t + steps + self.draft_seconds(rows, G + 1, capacity)
 
-  def round_seconds_all(self, rows: int, num_draft_max: int, capacity: int) -> np.ndarray:
+  def round_seconds_all(
+    self, rows: int, num_draft_max: int, capacity: int, *, plain: bool = True
+  ) -> np.ndarray:
     """[M + 1]: a round's predicted seconds at G = 0..M (what an adaptive round chooses from),
-    corrected by the calibration's timed rounds when the model carries a `correction`."""
-    rs = [self.round_seconds(rows, G, capacity) for G in range(num_draft_max + 1)]
+    corrected by the calibration's timed rounds when the model carries a `correction`. `plain`:
+    G = 0 is a plain step (per-round choice); False: a fixed loop's round at G = 0, where
+    EAGLE-3 takes in the emitted token (a G chosen per stage)."""
+    rs = [self.round_seconds(rows, G, capacity, plain=plain) for G in range(num_draft_max + 1)]
     if self.correction is not None:
       rs = [t * self.correction.factor(rows, G) for G, t in enumerate(rs)]
     return np.asarray(rs, np.float32)
@@ -710,18 +724,19 @@ def calibrate(
   cache_dir: str | None = None,
   min_s: float = 0.05,
   correct: bool = False,
+  every: str = "round",
 ) -> tuple[CostModel, dict]:
   """(CostModel, record): the coefficients fitted from timed passes at `grid`, read from
   `cache_dir/<key>.json` when an earlier calibration of the same configs on the same backend
   wrote it. The record holds the points, the coefficients and each point's relative error.
-  `correct`: the model carries the `Correction` of its timed rounds (`decode.cost_correction`)."""
+  `correct`: the model carries the `Correction` of its timed rounds (`decode.cost_correction`)
+  of the loop a G chosen `every` round or stage runs (`decode.auto_every`)."""
 
   def model_of(record):
     model = CostModel(Machine(**record["machine"]), pcfg, dcfg)
     if correct:
-      model = dataclasses.replace(
-        model, correction=Correction.from_points(record["points"], pcfg.n_layers)
-      )
+      fix = Correction.from_points(record["points"], pcfg.n_layers, every=every)
+      model = dataclasses.replace(model, correction=fix)
     return model
 
   path = None

@@ -10,7 +10,11 @@ output: greedy token for token, sampled the same tokens for the same keys.
 
 With a cost model (`decode.cost.CostModel`) and `adaptive`, every round picks its G in 0..G_max
 from the predicted seconds of a round at this stage's bucket and the running acceptance
-(`speculative.choose_num_draft`). `num_draft = 0` decodes autoregressively (no draft).
+(`speculative.choose_num_draft`). With `per_stage` too (decode.auto_every = stage), the host picks
+one G per stage instead, from the same prices and the acceptance carried in (the prior, not this
+rollout's own counts), before the rollout starts, and each stage runs the loop of a fixed G (the
+cheaper program: no choice, no switch between round kinds, no pending plain steps). `num_draft =
+0` decodes autoregressively (no draft).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def generate(
   every_stage: bool = False,
   rows: Rows | None = None,
   sampler=rejection_sample,
+  per_stage: bool = False,
 ) -> Generation:
   """SD (`num_draft` >= 1: G, or G_max when `adaptive`) or AR (`num_draft` = 0) generation of the
   same output as `speculative.generate` / `autoregressive.generate`, with finished rows compacted
@@ -86,7 +91,10 @@ def generate(
   most recent plain steps (G = 0) an EAGLE-3 draft takes in when drafting resumes
   (`speculative.Spec.window`). `every_stage`: run every bucket's stage even once all rows have
   finished (a finished stage runs no round), so that one call compiles every stage a later call
-  with other keys may reach (benchmarks warm up with it; nothing timed then compiles)."""
+  with other keys may reach (benchmarks warm up with it; nothing timed then compiles).
+  `per_stage` (with `adaptive`): G chosen once per stage on the host (`stage_plan`), each stage a
+  fixed-G loop; the stages a call runs are a function of the batch, the cost model and `prior`
+  alone, so a warm-up call compiles every stage a timed call with other keys runs."""
   B = int(prompt_BS.shape[0])
   N = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
@@ -98,18 +106,23 @@ def generate(
       raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
     if window < 1:
       raise ValueError(f"window={window}: the draft's catch-up window must be >= 1 entries")
-    spec = speculative.Spec(pcfg, dcfg, N, num_draft, adaptive, sm, window)
+    staged = adaptive and per_stage
+    spec = speculative.Spec(pcfg, dcfg, N, num_draft, adaptive and not staged, sm, window)
     prior = prior if prior is not None else Acceptance.prior(num_draft)
     capacity = int(prompt_BS.shape[1]) + N + num_draft + 2
 
     def choice_at(b):
-      rs = cost.round_seconds_all(b, num_draft, capacity) if adaptive else None
+      rs = cost.round_seconds_all(b, num_draft, capacity) if spec.adaptive else None
       return speculative.Choice.of(spec, rs, prior)
 
   sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
+  spec_at = lambda b: spec
+  if num_draft and staged:
+    plan = stage_plan(cost, prior, sizes, spec, capacity)
+    spec_at = lambda b: spec._replace(stage_G=plan[b])
   stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)
   args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
-  carry, out = _start(*args, spec=spec, sampler=sampler)
+  carry, out = _start(*args, spec=spec_at(B), sampler=sampler)
   slots = jnp.arange(B)
   for i in range(1, len(sizes)):
     done = multihost.to_host(carry["done"])  # the one host sync of a stage
@@ -118,9 +131,28 @@ def generate(
     keep = jnp.asarray(np.argsort(done, kind="stable")[: sizes[i]])  # active rows first
     carry, out, slots = _next_stage(
       params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
-      spec=spec, sampler=sampler, rows=rows,
+      spec=spec_at(sizes[i]), sampler=sampler, rows=rows,
     )  # fmt: skip
   return _end(carry, out, slots, spec=spec)
+
+
+def stage_plan(
+  cost: CostModel, prior: Acceptance, sizes, spec: speculative.Spec, capacity: int
+) -> dict[int, int]:
+  """{bucket rows: G} of a rollout whose G is chosen per stage (decode.auto_every = stage): at
+  each bucket the G in 0..num_draft with the most expected tokens per second, from the cost
+  model's price of a fixed loop's round at that many rows (G = 0: a policy step whose emitted
+  token the draft still takes in, so it stays in step for the stages after) and the acceptance
+  carried in (`speculative.choose_num_draft` on no counts of this rollout)."""
+  if cost is None:
+    raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
+  M, spec = spec.num_draft, spec._replace(adaptive=True)
+  no_counts = {k: np.zeros((M,), np.int32) for k in ("accept_counts", "reach_counts")}
+  plan = {}
+  for b in sizes:
+    rs = cost.round_seconds_all(b, M, capacity, plain=False)
+    plan[b] = int(speculative.choose_num_draft(no_counts, speculative.Choice.of(spec, rs, prior)))
+  return plan
 
 
 def _init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec):

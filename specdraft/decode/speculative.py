@@ -121,6 +121,10 @@ class Spec(NamedTuple):
   # EAGLE-3 under `adaptive`: the most recent plain-step entries the draft takes in when drafting
   # resumes (older ones are skipped; its cache holds W more entries than the policy's)
   window: int = 8
+  # A loop that is not `adaptive` drafts G = num_draft every round, or, when this is >= 0, this
+  # G in 0..num_draft every round with buffers sized by num_draft: one stage of G chosen per
+  # stage (`decode.engine`, auto_every = stage), whose carry any other such stage continues
+  stage_G: int = -1
 
 
 class Choice(NamedTuple):
@@ -230,7 +234,10 @@ def run(
     return body
 
   if not spec.adaptive:
-    return jax.lax.while_loop(cond, at(M), carry)
+    G = M if spec.stage_G < 0 else spec.stage_G
+    if not 0 <= G <= M:
+      raise ValueError(f"stage_G={spec.stage_G}: a stage drafts G in 0..num_draft={M}")
+    return jax.lax.while_loop(cond, at(G), carry)
 
   # Adaptive: each branch of the switch runs rounds at its G for as long as the choice stays
   # there, so the switch (which may copy the carry, both KV caches included) is entered only when

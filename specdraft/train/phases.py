@@ -52,6 +52,13 @@ class Context:
   def __init__(self, config, workdir: str, *, validated: bool = False):
     if not validated:  # (train_and_evaluate validates before it checks the workdir)
       config_lib.validate(config)
+    if config.decode.get("auto_every", "round") not in cost.AUTO_EVERY:
+      config_lib.invalid(
+        "decode.auto_every",
+        config.decode.auto_every,
+        f"expected one of {cost.AUTO_EVERY} (auto G chosen before every round, or once per "
+        "compaction stage)",
+      )
     if "://" in workdir:
       raise ValueError(
         f"workdir={workdir!r} is invalid: logs, plots and checkpoints are written with local file "
@@ -210,6 +217,7 @@ class Context:
     d = self.config.decode
     return dict(
       adaptive=adaptive,
+      per_stage=d.get("auto_every", "round") == "stage",
       compact=d.compact,
       min_rows=d.min_rows,
       window=d.get("catch_up_window", 8),
@@ -235,6 +243,7 @@ class Context:
     if self._cost_model is None:
       c = self.config
       correct = c.decode.get("cost_correction", True)
+      every = c.decode.get("auto_every", "round")
       rows = c.rl.prompts_per_step * c.rl.group_size
       G, N = c.decode.num_draft, c.rl.max_new_tokens or c.decode.max_new_tokens
       grid = cost.Grid(
@@ -244,7 +253,7 @@ class Context:
         round_G=tuple(sorted({max(1, (G + 1) // 2), G})),
         capacity=self.prompt_len + N + G + 2,
         prompt_len=self.prompt_len,
-        adaptive=correct,
+        adaptive=correct and every == "round",  # a G per stage runs the fixed loop's rounds
       )
       cache_dir = os.path.join(self.workdir, "cost")
       model, _ = cost.calibrate(
@@ -255,6 +264,7 @@ class Context:
         grid=grid,
         cache_dir=cache_dir,
         correct=correct,
+        every=every,
       )
       if jax.process_count() > 1:
         from jax.experimental import multihost_utils
