@@ -518,11 +518,7 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
   sm = Sampling(1.0, 0, 1.0)
   out = []
   for b in rows:
-    rng = np.random.default_rng(b)
-    prompts = rng.integers(3, pcfg.vocab_size, (b, prompt_len)).astype(np.int32)
-    prompts[:, 0] = 1
-    prompts, lengths = jnp.asarray(prompts), jnp.full((b,), prompt_len, jnp.int32)
-    key = jax.random.key(b)
+    prompts, lengths, key = _timing_prompts(pcfg, b, prompt_len)
     spec = autoregressive.Spec(pcfg, new_tokens, sm)
     stages = [
       (
@@ -553,6 +549,16 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
   return out
 
 
+def _timing_prompts(pcfg, rows: int, prompt_len: int):
+  """(prompts, lengths, key) a timed stage decodes from: random tokens after BOS, every row the
+  full `prompt_len`, seeded by the row count."""
+  rng = np.random.default_rng(rows)
+  prompts = rng.integers(3, pcfg.vocab_size, (rows, prompt_len)).astype(np.int32)
+  prompts[:, 0] = 1
+  lengths = jnp.full((rows,), prompt_len, jnp.int32)
+  return jnp.asarray(prompts), lengths, jax.random.key(rows)
+
+
 def forced_choice(spec, G: int):
   """An adaptive loop's choice that always picks G: every other G's round "costs" a billion
   seconds (the expected tokens of a round are between 1 and G_max + 1)."""
@@ -579,11 +585,7 @@ def time_adaptive_rounds(
   capacity = prompt_len + new_tokens + num_draft + 2
   out = []
   for b in rows:
-    rng = np.random.default_rng(b)
-    prompts = rng.integers(3, pcfg.vocab_size, (b, prompt_len)).astype(np.int32)
-    prompts[:, 0] = 1
-    prompts, lengths = jnp.asarray(prompts), jnp.full((b,), prompt_len, jnp.int32)
-    key = jax.random.key(b)
+    prompts, lengths, key = _timing_prompts(pcfg, b, prompt_len)
     init = lambda: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec)
     stages = []
     for G in range(num_draft + 1):
