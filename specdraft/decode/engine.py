@@ -113,7 +113,7 @@ def generate(
 
     def choice_at(b):
       rs = cost.round_seconds_all(b, num_draft, capacity) if spec.adaptive else None
-      return speculative.Choice.of(spec, rs, prior)
+      return speculative.Choice.of(spec, rs, prior, xp=np)  # host arrays: no eager dispatch
 
   sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
   spec_at = lambda b: spec
@@ -143,16 +143,25 @@ def stage_plan(
   each bucket the G in 0..num_draft with the most expected tokens per second, from the cost
   model's price of a fixed loop's round at that many rows (G = 0: a policy step whose emitted
   token the draft still takes in, so it stays in step for the stages after) and the acceptance
-  carried in (`speculative.choose_num_draft` on no counts of this rollout)."""
+  carried in (`speculative.choose_num_draft` on no counts of this rollout). Remembered per
+  (cost model, prior, buckets): a rollout of a millisecond-scale batch pays nothing for it."""
   if cost is None:
     raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
-  M, spec = spec.num_draft, spec._replace(adaptive=True)
-  no_counts = {k: np.zeros((M,), np.int32) for k in ("accept_counts", "reach_counts")}
-  plan = {}
+  counts = tuple(tuple(np.asarray(x, np.float64).tolist()) for x in prior)
+  return dict(_stage_plan(cost, counts, tuple(sizes), spec._replace(adaptive=True), capacity))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_plan(cost: CostModel, counts: tuple, sizes: tuple, spec, capacity: int) -> tuple:
+  arrays = tuple(np.asarray(x) for x in counts)
+  prior = Acceptance(*arrays) if len(arrays) == len(Acceptance._fields) else arrays
+  no_counts = {k: np.zeros((spec.num_draft,), np.int32) for k in ("accept_counts", "reach_counts")}
+  plan = []
   for b in sizes:
-    rs = cost.round_seconds_all(b, M, capacity, plain=False)
-    plan[b] = int(speculative.choose_num_draft(no_counts, speculative.Choice.of(spec, rs, prior)))
-  return plan
+    rs = cost.round_seconds_all(b, spec.num_draft, capacity, plain=False)
+    choice = speculative.Choice.of(spec, rs, prior, xp=np)  # on the host: numpy, no dispatch
+    plan.append((b, int(speculative.choose_num_draft(no_counts, choice, xp=np))))
+  return tuple(plan)
 
 
 def _init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec):

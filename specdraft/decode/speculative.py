@@ -140,19 +140,20 @@ class Choice(NamedTuple):
   fixed_reached: jax.Array | float = 0.0
 
   @classmethod
-  def of(cls, spec: Spec, round_seconds, prior) -> Choice:
+  def of(cls, spec: Spec, round_seconds, prior, xp=jnp) -> Choice:
     """`prior`: a `decode.cost.Acceptance` (its fixed prior is re-centred), or pseudo counts
-    (accepted, reached) taken as they are."""
+    (accepted, reached) taken as they are. `xp`: the array module (numpy for a choice made on
+    the host, where a handful of eager device operations would cost more than the choice)."""
     M = spec.num_draft
-    zeros = jnp.zeros((M,), jnp.float32)
+    zeros = xp.zeros((M,), xp.float32)
     if not spec.adaptive:  # unused: a fixed G
-      return cls(jnp.ones((M + 1,), jnp.float32), zeros, zeros, zeros, zeros)
+      return cls(xp.ones((M + 1,), xp.float32), zeros, zeros, zeros, zeros)
     if round_seconds is None or prior is None:
       raise ValueError("adaptive speculation needs round_seconds and prior (decode.cost)")
-    rs = jnp.asarray(round_seconds, jnp.float32)
+    rs = xp.asarray(round_seconds, xp.float32)
     if rs.shape != (M + 1,):
       raise ValueError(f"round_seconds has shape {rs.shape}; expected ({M + 1},): G = 0..{M}")
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    f32 = lambda x: xp.asarray(x, xp.float32)
     if hasattr(prior, "prior_reached"):  # an Acceptance: the fixed prior is known apart
       fixed = (f32(prior.prior_accepted), f32(prior.prior_reached))
       return cls(rs, f32(prior.accepted), f32(prior.reached), *fixed)
@@ -160,7 +161,7 @@ class Choice(NamedTuple):
     return cls(rs, acc, reach, zeros, zeros)
 
 
-def choose_num_draft(stats: dict, choice: Choice):
+def choose_num_draft(stats: dict, choice: Choice, xp=jnp):
   """The G in 0..G_max that maximises expected tokens per second: E[a + 1 | G] / seconds(G),
   with E[a + 1 | G] = 1 + sum_{i <= G} prod_{j <= i} alpha_j and alpha_j the conditional
   acceptance at position j from the prior's and this generation's counts. The fixed prior's
@@ -170,14 +171,14 @@ def choose_num_draft(stats: dict, choice: Choice):
   that it pays (with the prior as it is, auto G held at the depth it started from: positions
   it never reached kept the prior's rate). With no counts yet the pooled rate is the prior's.
   Every row still generating rides in the pass, so the active count scales all G alike and
-  drops out."""
+  drops out. `xp`: the array module (numpy on the host: `engine.stage_plan`)."""
   acc = choice.prior_accepted + stats["accept_counts"]
   reach = choice.prior_reached + stats["reach_counts"]
-  pool = jnp.sum(acc) / jnp.maximum(jnp.sum(reach), 1e-9)
+  pool = xp.sum(acc) / xp.maximum(xp.sum(reach), 1e-9)
   acc = acc - choice.fixed_accepted + pool * choice.fixed_reached
-  alpha_M = jnp.where(reach > 0, acc / jnp.maximum(reach, 1e-9), 0.0)
-  expected_M1 = 1.0 + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.cumprod(alpha_M))])
-  return jnp.argmax(expected_M1 / choice.round_seconds).astype(jnp.int32)
+  alpha_M = xp.where(reach > 0, acc / xp.maximum(reach, 1e-9), 0.0)
+  expected_M1 = 1.0 + xp.concatenate([xp.zeros((1,)), xp.cumsum(xp.cumprod(alpha_M))])
+  return xp.argmax(expected_M1 / choice.round_seconds).astype(xp.int32)
 
 
 def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
