@@ -181,12 +181,14 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
       what="greedy auto-G SD tokens == greedy AR tokens on every row, every batch size",
     ),
     # Fixed 2026-12-07, before the first run with the auto_stage arm: the same targets for G
-    # chosen per stage (the goals above keep measuring the per-round choice)
+    # chosen per stage (the goals above keep measuring the per-round choice); judged where the
+    # run times that arm (bench.auto_stage)
     auto_stage_never_slower=dict(
       metric="all_batches.auto_stage_over_ar_min",
       op=">=",
       target=0.98,
       fixed="2026-12-07",
+      needs="bench.auto_stage",
       what="auto G per stage tokens/s over AR tokens/s, lowest over batch sizes (both compacted)",
     ),
     auto_stage_near_best_fixed=dict(
@@ -194,6 +196,7 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
       op=">=",
       target=0.95,
       fixed="2026-12-07",
+      needs="bench.auto_stage",
       what="auto G per stage tokens/s over the best fixed G's (1..5), lowest over batch sizes",
     ),
     greedy_equal_stage=dict(
@@ -201,6 +204,7 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
       op="==",
       target=True,
       fixed="2026-12-07",
+      needs="bench.auto_stage",
       what="greedy auto-G-per-stage SD tokens == greedy AR tokens on every row, every batch size",
     ),
   )

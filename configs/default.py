@@ -233,14 +233,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # cached under the workdir) and the running per-position acceptance, which starts from
   # prior_rate at prior_weight pseudo rounds and carries from rollout to rollout with weight
   # prior_keep; in a round at G = 0 the draft does not run, and when drafting resumes it takes in
-  # the last catch_up_window plain steps (older ones it skips). compact: rollouts gather their unfinished rows into the next power-of-two batch
-  # once no more than that many still generate, down to min_rows (decode/engine.py; AR rollouts
-  # too; each bucket is a compile: 8 s for a fixed G and 26 s for auto's 6 rounds at 64 rows here).
+  # the last catch_up_window plain steps (older ones it skips). auto_every: "round" (the above)
+  # or "stage": G chosen once per compaction stage before the rollout, each stage the fixed-G
+  # loop (at G = 0 the draft still takes in the emitted tokens while a later stage drafts).
+  # cost_correction: the round prices carry the calibration's own timed rounds (measured over
+  # fitted), not the fit alone. compact: rollouts gather their unfinished rows into the next
+  # power-of-two batch once no more than that many still generate, down to min_rows
+  # (decode/engine.py; AR rollouts too; each bucket is a compile).
   c.decode = ml_collections.ConfigDict(
     dict(
       max_new_tokens=40,
       num_draft=5,
       speculation="fixed",
+      auto_every="round",
+      cost_correction=True,
       compact=True,
       min_rows=4,
       prior_rate=0.6,

@@ -368,6 +368,21 @@ def test_the_correction_prices_rounds_as_the_calibration_timed_them():
   # a G chosen per stage runs the fixed loop: its correction stays the AR steps' and SD rounds'
   assert cost.Correction.from_points(pts + auto, pcfg.n_layers, every="stage") == k
   assert cost.Correction.from_points(pts[9:18], pcfg.n_layers) is None  # shallow only
+  # ... and where the fixed loop's own G = 0 round was timed (Grid.stage_zero), that is its G = 0
+  # column, the AR step kept for a plain G = 0; a G chosen per round leaves that round out
+  zero = _round_points(model, lambda b, G: 0.4 + 0.01 * b, (1, 16, 64), (0,), kind="sd")
+  k3 = cost.Correction.from_points(pts + zero, pcfg.n_layers, every="stage")
+  assert k3.rows == (1, 16, 64) and k3.G == (0, 2, 5)
+  for b in (1, 16, 64):
+    assert k3.factor(b, 0) == pytest.approx(np.exp(0.4 + 0.01 * b), rel=1e-9)
+    assert k3.factor(b, 0, plain=True) == pytest.approx(np.exp(level(b, 0)), rel=1e-9)
+    assert k3.factor(b, 5, plain=True) == pytest.approx(np.exp(level(b, 5)), rel=1e-9)
+  staged = dataclasses.replace(model, correction=k3)
+  for plain in (True, False):
+    rs = staged.round_seconds_all(16, 5, 96, plain=plain)
+    want = model.round_seconds(16, 0, 96, plain=plain) * k3.factor(16, 0, plain=plain)
+    assert rs[0] == pytest.approx(want, rel=1e-6)
+  assert cost.Correction.from_points(pts + zero, pcfg.n_layers) == k
 
 
 def test_the_correction_moves_the_choice_to_the_timed_best_G():
@@ -438,3 +453,35 @@ def test_auto_every_is_validated_before_any_work(tmp_path):
   assert not os.listdir(tmp_path)
   with pytest.raises(ValueError, match=r"every='often': expected one of \('round', 'stage'\)"):
     cost.Correction.from_points([], 2, every="often")
+  # a G per stage is auto G's: with a fixed G it is refused, not ignored
+  c.decode.auto_every, c.decode.speculation = "stage", "fixed"
+  with pytest.raises(ValueError, match=r"auto_every='stage' is invalid: .*speculation='auto'"):
+    phases.Context(c, str(tmp_path))
+  # both knobs are in the default config, so a command line can set them
+  d = default.get_config().decode
+  assert (d.auto_every, d.cost_correction) == ("round", True)
+  d.update_from_flattened_dict({"auto_every": "stage"})
+  assert d.auto_every == "stage"
+
+
+def test_the_fixed_loop_is_timed_at_g_0_sized_by_the_largest_g():
+  """Grid.stage_zero's point: the fixed loop's round at G = 0 (its draft taking in the emitted
+  token) is timed with buffers sized by the largest G timed beside it."""
+  pcfg, dcfg = _models()
+  params = pol.init_params(pcfg, 0)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  pts = cost.time_rounds(
+    params, dparams, pcfg, dcfg, rows=(2,), num_drafts=(0, 3), prompt_len=4, new_tokens=6,
+    repeats=1,
+  )  # fmt: skip
+  assert [(p["model"], p["tokens"], p["capacity"]) for p in pts] == [
+    ("ar", 0, 10),
+    ("sd", 0, 15),
+    ("sd", 3, 15),
+  ]
+  assert all(0 < p["seconds"] < 1 for p in pts)
+  with pytest.raises(ValueError, match="needs a G > 0"):
+    cost.time_rounds(
+      params, dparams, pcfg, dcfg, rows=(2,), num_drafts=(0,), prompt_len=4, new_tokens=6,
+      repeats=1,
+    )  # fmt: skip

@@ -211,14 +211,17 @@ def _flat_cost(pcfg, dcfg, slope: float):
   return Flat(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
 
 
-def _priced_cost(pcfg, dcfg, prices: dict):
-  """A cost model whose round seconds at G = 0..3 are `prices[rows]` (None: every row count)."""
+def _priced_cost(pcfg, dcfg, prices: dict, plain_zero: dict | None = None):
+  """A cost model whose round seconds at G = 0..3 are `prices[rows]` (None: every row count);
+  a plain G = 0 step (no later stage drafts) costs `plain_zero[rows]` where given."""
   from specdraft.decode import cost
 
   class Priced(cost.CostModel):
     def round_seconds_all(self, rows, num_draft_max, capacity, plain=True):
-      assert not plain  # a stage's G = 0 is a fixed loop's round (the draft takes the token in)
-      return np.asarray(prices.get(rows, prices.get(None)), np.float32)
+      rs = np.asarray(prices.get(rows, prices.get(None)), np.float32)
+      if plain and plain_zero and rows in plain_zero:
+        rs = np.concatenate([np.float32([plain_zero[rows]]), rs[1:]])
+      return rs
 
   return Priced(cost.Machine(1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0), pcfg, dcfg)
 
@@ -382,6 +385,63 @@ def test_g_per_stage_keeps_greedy_ar_tokens_across_every_g(setup):
   )  # fmt: skip
   rate = lambda s: s["accept_counts"][0] / max(s["reach_counts"][0], 1)
   assert rate(fixed) > 0.2 and rate(st) > 0.5 * rate(fixed), (rate(st), rate(fixed))
+
+
+def test_g_per_stage_leaves_the_draft_behind_once_no_stage_drafts_again(setup):
+  """A G = 0 stage after which no stage drafts is priced as a plain step (planned from the
+  smallest bucket up: here 4 and 8 rows choose G = 0 only at the plain price, 12 rows G = 3) and
+  runs as one (`Spec.stage_plain`: the draft's cache and next logits are left as they were, no
+  draft pass counted); greedy output is still AR's token for token."""
+  from specdraft.decode import engine
+  from specdraft.decode.sampling import Sampling
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  prices = {12: [1, 1.1, 1.2, 1.3], 8: [2, 1.5, 10, 10], 4: [2, 1.5, 10, 10]}
+  prior = _prior(3)
+  spec = speculative.Spec(pcfg, dcfg, N, 3, True, None)
+  with_draft = engine.stage_plan(_priced_cost(pcfg, dcfg, prices), prior, [12, 8, 4], spec, 99)
+  assert with_draft == {12: 3, 8: 1, 4: 1}, with_draft  # G = 0 at a draft pass's price loses
+  cost = _priced_cost(pcfg, dcfg, prices, plain_zero={8: 0.5, 4: 0.5, 12: 0.5})
+  plan = engine.stage_plan(cost, prior, [12, 8, 4], spec, 99)
+  assert plan == {12: 3, 8: 0, 4: 0}, plan
+  assert engine.plain_stages(plan) == {8, 4}
+  assert engine.plain_stages({12: 0, 8: 3, 4: 0}) == {4}
+  gen = engine.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
+    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
+    compact=True, min_rows=4,
+  )  # fmt: skip
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  st = jax.device_get(gen.stats)
+  assert st["num_draft_counts"][0] > 0 and st["num_draft_counts"][3] > 0, st["num_draft_counts"]
+  # one round of a plain stage on a fresh carry: the draft's state is untouched (a block draft's
+  # G = 0 round runs no draft pass in any case: the same round either way)
+  fixed = speculative.Spec(pcfg, dcfg, N, 3, False, Sampling(0.0, 0, 1.0), stage_G=0)
+  carry = jax.jit(lambda *a: speculative.init(*a, spec=fixed))(
+    params, dparams, prompts, lengths, jax.random.key(0)
+  )
+  step = lambda sp: jax.jit(  # noqa: E731
+    lambda c: speculative.one_round(params, dparams, c, G=0, spec=sp)
+  )(carry)
+  plain, kept = step(fixed._replace(stage_plain=True)), step(fixed)
+  np.testing.assert_array_equal(np.asarray(plain["out"]), np.asarray(kept["out"]))
+  draft_state = lambda c: jax.tree.leaves((c["dcache"], c["q_logits"], c["h"]))  # noqa: E731
+  if drafts.is_block(dcfg):
+    same = lambda c: {k: v for k, v in c.items() if k != "key"}  # noqa: E731 (keys: typed)
+    for a, b in zip(jax.tree.leaves(same(plain)), jax.tree.leaves(same(kept))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jnp.array_equal(jax.random.key_data(plain["key"]), jax.random.key_data(kept["key"]))
+  else:
+    for a, b in zip(draft_state(plain), draft_state(carry)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    passes = lambda c: int(c["stats"]["draft_passes"])  # noqa: E731
+    assert passes(plain) == passes(carry) and passes(kept) == passes(carry) + 1
+    assert not np.array_equal(np.asarray(kept["q_logits"]), np.asarray(carry["q_logits"]))
+  with pytest.raises(ValueError, match="only a G = 0 stage skips the draft"):
+    speculative.run(
+      params, dparams, carry, None, jnp.int32(0), spec=fixed._replace(stage_G=2, stage_plain=True)
+    )
 
 
 def test_g_per_stage_is_the_fixed_loop_at_the_planned_g(setup):

@@ -223,6 +223,7 @@ def run_adaptive(config, workdir: str) -> dict:
   dparams, _ = loop.draft_phase(ctx, params)
   M, N = max(b.num_drafts), b.max_new_tokens
   correct = config.decode.get("cost_correction", True)
+  stage = b.get("auto_stage", False)
   grid = cost.Grid(
     rows=tuple(b.grid_rows),
     tokens=tuple(sorted({1, (M + 2) // 2, M + 1})),
@@ -231,6 +232,7 @@ def run_adaptive(config, workdir: str) -> dict:
     capacity=ctx.prompt_len + N + M + 2,
     prompt_len=ctx.prompt_len,
     adaptive=correct,
+    stage_zero=correct and stage,  # the fixed loop's G = 0 round: the stage plan's price of it
   )
   model, record = cost.calibrate(
     params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
@@ -238,7 +240,6 @@ def run_adaptive(config, workdir: str) -> dict:
   )  # fmt: skip
   # G chosen per stage (decode.auto_every = stage) runs the fixed loop: its correction is from
   # the calibration's AR steps and fixed-loop rounds
-  stage = b.get("auto_stage", False)
   stage_fix = cost.Correction.from_points(record["points"], ctx.pcfg.n_layers, every="stage")
   stage_model = dataclasses.replace(model, correction=stage_fix if correct else None)
   window = config.decode.get("catch_up_window", 8)

@@ -44,7 +44,8 @@ carries over to a policy size it was not fitted on.
 What an adaptive round chooses G by (`CostModel.round_seconds_all`) is the model corrected by
 the calibration's own timed rounds (`Correction`, `decode.cost_correction`): at the timed row
 counts, the adaptive loop's rounds timed at every G (`Grid.adaptive`), or AR steps and the fixed
-loop's rounds at a few G; between them the model's shape scaled to the nearby measurements. The
+loop's rounds at a few G (for a G chosen per stage: the fixed loop's, its G = 0 round included
+with `Grid.stage_zero`); between them the model's shape scaled to the nearby measurements. The
 choice compares rounds at the same rows whose expected tokens differ by 10-20%, finer than the
 fit's point errors (up to 25% on this CPU); the fit carries over to sizes and machines never
 timed, the correction does not.
@@ -217,6 +218,9 @@ class Correction:
   rows: tuple[int, ...]  # ascending
   G: tuple[int, ...]  # ascending, from 0
   log_ratio: tuple[tuple[float, ...], ...]  # [rows][G]
+  # [rows]: AR steps', where the G = 0 column is a fixed loop's round whose draft takes in the
+  # emitted token (a G per stage with `Grid.stage_zero`); a plain G = 0 reads this instead
+  plain: tuple[float, ...] = ()
 
   @classmethod
   def from_points(
@@ -225,27 +229,43 @@ class Correction:
     """From a calibration record's points (each with its `predicted` seconds): for a G chosen
     every round, the adaptive loop's own rounds at every G when it timed them (`Grid.adaptive`),
     else (and for a G chosen per stage, `every` = "stage", which runs the fixed loop) AR steps
-    (G = 0) and the fixed loop's SD rounds; None when no row count has G = 0 timed."""
+    (G = 0) and the fixed loop's SD rounds. For a G per stage the fixed loop's G = 0 round, where
+    timed (`Grid.stage_zero`), is the G = 0 column and the AR steps are kept apart (`plain`: a
+    last G = 0 stage runs as they do); for a G per round a plain step is an AR step's price, so
+    that round is left out. None when no row count has G = 0 timed."""
     if every not in AUTO_EVERY:
       raise ValueError(f"every={every!r}: expected one of {AUTO_EVERY}")
     auto = every == "round" and any(p["model"] == "auto" for p in points)
     kinds = ("auto",) if auto else ("ar", "sd")
-    timed = {}
+    timed, ar = {}, {}
     for p in points:
       if p["model"] in kinds and p.get("layers", n_layers) == n_layers:
-        G = 0 if p["model"] == "ar" else int(p["tokens"])
-        timed[(int(p["rows"]), G)] = float(np.log(p["seconds"] / p["predicted"]))
+        ratio = float(np.log(p["seconds"] / p["predicted"]))
+        if p["model"] == "ar":
+          ar[int(p["rows"])] = ratio
+        elif p["model"] == "auto" or int(p["tokens"]) > 0 or every == "stage":
+          timed[(int(p["rows"]), int(p["tokens"]))] = ratio
+    staged_zero = any(G == 0 for _, G in timed) and not auto
+    if not auto:
+      for r, ratio in ar.items():
+        timed.setdefault((r, 0), ratio)  # the AR step, where no fixed-loop G = 0 was timed
     Gs = sorted({G for _, G in timed})
     rows = sorted(r for r in {r for r, _ in timed} if all((r, G) in timed for G in Gs))
+    if staged_zero:
+      rows = [r for r in rows if r in ar]
     if not rows or 0 not in Gs:
       return None
     table = tuple(tuple(timed[(r, G)] for G in Gs) for r in rows)
-    return cls(tuple(rows), tuple(Gs), table)
+    plain = tuple(ar[r] for r in rows) if staged_zero else ()
+    return cls(tuple(rows), tuple(Gs), table, plain)
 
-  def factor(self, rows: int, G: int) -> float:
-    """measured / predicted at (rows, G): interpolated, held flat outside the timed points."""
+  def factor(self, rows: int, G: int, *, plain: bool = False) -> float:
+    """measured / predicted at (rows, G): interpolated, held flat outside the timed points.
+    `plain` at G = 0: an AR step's, where the G = 0 column is not (`plain` above)."""
     table = np.asarray(self.log_ratio, np.float64)
     at_G = [np.interp(G, self.G, t) for t in table] if len(self.G) > 1 else table[:, 0]
+    if plain and G == 0 and self.plain:
+      at_G = list(self.plain)
     if len(self.rows) == 1:
       return float(np.exp(at_G[0]))
     return float(np.exp(np.interp(np.log(rows), np.log(self.rows), at_G)))
@@ -293,7 +313,7 @@ class CostModel:
     EAGLE-3 takes in the emitted token (a G chosen per stage)."""
     rs = [self.round_seconds(rows, G, capacity, plain=plain) for G in range(num_draft_max + 1)]
     if self.correction is not None:
-      rs = [t * self.correction.factor(rows, G) for G, t in enumerate(rs)]
+      rs = [t * self.correction.factor(rows, G, plain=plain) for G, t in enumerate(rs)]
     return np.asarray(rs, np.float32)
 
 
@@ -434,6 +454,10 @@ class Grid:
   # argument): what an adaptive round costs at G, which `Correction` prices the choice by. Not
   # fitted on (a plain step and the adaptive loop's branches are not the fixed loop's rounds).
   adaptive: bool = False
+  # also time the fixed loop's round at G = 0 (full depth), where EAGLE-3 takes in the emitted
+  # token: the price of a G = 0 stage that a drafting stage follows (decode.auto_every = stage;
+  # an AR step would price it a draft pass too low)
+  stage_zero: bool = False
 
 
 def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int, n_taps: int | None = None):
@@ -463,13 +487,14 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
       s = time_draft_pass(params, dparams, pcfg, dcfg, rows, tokens, grid.capacity, min_s=min_s)
       out.append(dict(model="draft", rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
   new_tokens = grid.capacity - grid.prompt_len - max(grid.round_G, default=0) - 2
+  zero = (0,) if grid.stage_zero and dcfg is not None and grid.round_G else ()
   out += time_rounds(
     params,
     dparams,
     pcfg,
     dcfg,
     rows=grid.round_rows,
-    num_drafts=grid.round_G,
+    num_drafts=zero + tuple(grid.round_G),
     prompt_len=grid.prompt_len,
     new_tokens=new_tokens,
     repeats=3,
@@ -509,7 +534,9 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
 def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, new_tokens, repeats):
   """Seconds of an AR step and of an SD round at each G in `num_drafts`, at each row count, as the
   decoding loop runs them: a stage's seconds over its rounds (the stop token disabled, so every
-  row rides in every pass to the end). [{model: ar | sd, rows, tokens: G, capacity, seconds}]"""
+  row rides in every pass to the end). G = 0: the fixed loop's round at G = 0 with buffers sized
+  by the largest G (a stage of G per stage, `speculative.Spec.stage_G`).
+  [{model: ar | sd, rows, tokens: G, capacity, seconds}]"""
   from specdraft.decode import autoregressive, engine, speculative
   from specdraft.decode.rejection import rejection_sample
   from specdraft.decode.sampling import Sampling
@@ -529,12 +556,15 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
         ),
       )
     ]
+    M = max(num_drafts, default=0)
     for G in num_drafts:
-      spec = speculative.Spec(pcfg, dcfg, new_tokens, G, False, sm)
+      if M == 0:
+        raise ValueError("num_drafts=(0,): a fixed loop's G = 0 round needs a G > 0 to size it")
+      spec = speculative.Spec(pcfg, dcfg, new_tokens, G or M, False, sm, stage_G=-1 if G else 0)
       choice = speculative.Choice.of(spec, None, None)
       stages.append(
         (
-          dict(model="sd", rows=b, tokens=G, capacity=prompt_len + new_tokens + G + 2),
+          dict(model="sd", rows=b, tokens=G, capacity=prompt_len + new_tokens + spec.num_draft + 2),
           lambda spec=spec: engine.init_jit(params, dparams, prompts, lengths, key, spec=spec),
           lambda c, spec=spec, choice=choice: engine.run_jit(
             params, dparams, c, choice, jnp.int32(0), spec=spec, sampler=rejection_sample
@@ -659,7 +689,7 @@ def predict_corrected(model: CostModel, point: dict) -> float:
     or point.get("layers", model.pcfg.n_layers) != model.pcfg.n_layers
   ):
     return t
-  return t * c.factor(point["rows"], 0 if m == "ar" else point["tokens"])
+  return t * c.factor(point["rows"], 0 if m == "ar" else point["tokens"], plain=m == "ar")
 
 
 def fit(points: list[dict], pcfg, dcfg) -> Machine:

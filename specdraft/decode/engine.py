@@ -119,7 +119,8 @@ def generate(
   spec_at = lambda b: spec
   if num_draft and staged:
     plan = stage_plan(cost, prior, sizes, spec, capacity)
-    spec_at = lambda b: spec._replace(stage_G=plan[b])
+    plain = plain_stages(plan)
+    spec_at = lambda b: spec._replace(stage_G=plan[b], stage_plain=b in plain)
   stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)
   args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
   carry, out = _start(*args, spec=spec_at(B), sampler=sampler)
@@ -141,10 +142,12 @@ def stage_plan(
 ) -> dict[int, int]:
   """{bucket rows: G} of a rollout whose G is chosen per stage (decode.auto_every = stage): at
   each bucket the G in 0..num_draft with the most expected tokens per second, from the cost
-  model's price of a fixed loop's round at that many rows (G = 0: a policy step whose emitted
-  token the draft still takes in, so it stays in step for the stages after) and the acceptance
-  carried in (`speculative.choose_num_draft` on no counts of this rollout). Remembered per
-  (cost model, prior, buckets): a rollout of a millisecond-scale batch pays nothing for it."""
+  model's price of a fixed loop's round at that many rows and the acceptance carried in
+  (`speculative.choose_num_draft` on no counts of this rollout). G = 0 is priced as it runs: a
+  policy step whose emitted token the draft takes in, so that it drafts in step at a later
+  stage, or, where no smaller bucket drafts (planned from the smallest up), a plain step
+  (`plain_stages`: the draft left behind). Remembered per (cost model, prior, buckets): a
+  rollout of a millisecond-scale batch pays nothing for it."""
   if cost is None:
     raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
   counts = tuple(tuple(np.asarray(x, np.float64).tolist()) for x in prior)
@@ -156,12 +159,20 @@ def _stage_plan(cost: CostModel, counts: tuple, sizes: tuple, spec, capacity: in
   arrays = tuple(np.asarray(x) for x in counts)
   prior = Acceptance(*arrays) if len(arrays) == len(Acceptance._fields) else arrays
   no_counts = {k: np.zeros((spec.num_draft,), np.int32) for k in ("accept_counts", "reach_counts")}
-  plan = []
-  for b in sizes:
-    rs = cost.round_seconds_all(b, spec.num_draft, capacity, plain=False)
+  plan, drafts_later = [], False
+  for b in sorted(sizes):  # the smallest first: whether a later stage drafts decides G = 0's price
+    rs = cost.round_seconds_all(b, spec.num_draft, capacity, plain=not drafts_later)
     choice = speculative.Choice.of(spec, rs, prior, xp=np)  # on the host: numpy, no dispatch
-    plan.append((b, int(speculative.choose_num_draft(no_counts, choice, xp=np))))
-  return tuple(plan)
+    G = int(speculative.choose_num_draft(no_counts, choice, xp=np))
+    plan.append((b, G))
+    drafts_later = drafts_later or G > 0
+  return tuple(sorted(plan, reverse=True))
+
+
+def plain_stages(plan: dict[int, int]) -> set[int]:
+  """The buckets of a stage plan at G = 0 after which no stage drafts: they run as plain steps
+  (`speculative.Spec.stage_plain`), the draft no longer taking in the emitted tokens."""
+  return {b for b in plan if all(G == 0 for s, G in plan.items() if s <= b)}
 
 
 def _init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec):

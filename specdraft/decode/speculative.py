@@ -125,6 +125,9 @@ class Spec(NamedTuple):
   # G in 0..num_draft every round with buffers sized by num_draft: one stage of G chosen per
   # stage (`decode.engine`, auto_every = stage), whose carry any other such stage continues
   stage_G: int = -1
+  # A stage at G = 0 after which no stage drafts: the draft does not take in the emitted tokens
+  # (it never proposes again), so its rounds cost a policy step, as AR's do
+  stage_plain: bool = False
 
 
 class Choice(NamedTuple):
@@ -238,6 +241,10 @@ def run(
     G = M if spec.stage_G < 0 else spec.stage_G
     if not 0 <= G <= M:
       raise ValueError(f"stage_G={spec.stage_G}: a stage drafts G in 0..num_draft={M}")
+    if spec.stage_plain and G != 0:
+      raise ValueError(
+        f"stage_plain with stage_G={spec.stage_G}: only a G = 0 stage skips the draft"
+      )
     return jax.lax.while_loop(cond, at(G), carry)
 
   # Adaptive: each branch of the switch runs rounds at its G for as long as the choice stays
@@ -258,9 +265,11 @@ def one_round(params, dparams, carry, *, G: int, spec: Spec, sampler=rejection_s
   """One round at G (0 <= G <= G_max, static) on the loop's carry (`run` switches between these;
   tests drive any schedule of G with it)."""
   models = _Models(params, dparams, spec.pcfg, spec.dcfg)
-  one = _block_round if drafts.is_block(spec.dcfg) else _round
   N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
-  return one(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler)
+  if drafts.is_block(spec.dcfg):  # a block draft's G = 0 round runs no draft pass anyway
+    return _block_round(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler)
+  take_in = not (G == 0 and spec.stage_plain and not spec.adaptive)
+  return _round(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler, take_in=take_in)
 
 
 def finish(carry, spec: Spec) -> Generation:
@@ -455,12 +464,15 @@ def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, N, G, sm: 
   return tokens_BG1, a_B, vtaps, pcache, emitted
 
 
-def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
+def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: bool = True):
   """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up.
   G = 0: a plain policy step; under adaptive G (the carry holds `pend_*`) the draft does not run
-  (`_plain_step`), otherwise it takes in the emitted token."""
+  (`_plain_step`), otherwise it takes in the emitted token, unless `take_in` is False (a last
+  G = 0 stage, `Spec.stage_plain`: the draft never proposes again)."""
   if G == 0 and "pend_len" in carry:
     return _plain_step(models, carry, N=N, M=M, sm=sm, sampler=sampler)
+  if not take_in and G != 0:
+    raise ValueError(f"G={G}: only a G = 0 round can leave the draft behind")
   if "pend_len" in carry:
     carry = _take_in_pending(models, carry)
   skipped_B = carry.get("skipped")
@@ -480,6 +492,18 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
   new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
+  if not take_in:  # the draft is left as it is: no later round reads it
+    return {
+      **carry,
+      "key": keys_B,
+      "pcache": pcache._replace(lengths=new_n_B),
+      "c": jnp.where(active_B, tokens_BG1[rows, a_B], c_B),
+      "out": out,
+      "out_lp": out_lp,
+      "out_len": out_len_B,
+      "done": done_B,
+      "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=0),
+    }
   slot = (lambda n: n) if skipped_B is None else (lambda n: n - skipped_B)
   catch_up_BG1 = jnp.where(jnp.arange(G + 1)[None] <= a_B[:, None], tokens_BG1, 0)
   d_logits_BG1V, d_hidden_BG1E, dcache = models.draft_step(

@@ -59,6 +59,13 @@ class Context:
         f"expected one of {cost.AUTO_EVERY} (auto G chosen before every round, or once per "
         "compaction stage)",
       )
+    if config.decode.get("auto_every", "round") == "stage" and config.decode.speculation != "auto":
+      config_lib.invalid(
+        "decode.auto_every",
+        config.decode.auto_every,
+        f"'stage' chooses an auto G once per compaction stage: it needs decode.speculation='auto' "
+        f"(got {config.decode.speculation!r}); with a fixed G leave it 'round'",
+      )
     if "://" in workdir:
       raise ValueError(
         f"workdir={workdir!r} is invalid: logs, plots and checkpoints are written with local file "
@@ -254,6 +261,7 @@ class Context:
         capacity=self.prompt_len + N + G + 2,
         prompt_len=self.prompt_len,
         adaptive=correct and every == "round",  # a G per stage runs the fixed loop's rounds
+        stage_zero=correct and every == "stage",  # ... and its G = 0 round
       )
       cache_dir = os.path.join(self.workdir, "cost")
       model, _ = cost.calibrate(
