@@ -557,3 +557,43 @@ def test_plain_steps_leave_the_draft_as_drafting_rounds_would(setup):
     a = np.asarray(holes["dcache"].k[b, p:m])
     e = np.asarray(eager["dcache"].k[b, p + 3 : m + 3])
     np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4 * np.abs(e).max())
+
+
+def test_a_g0_stage_keeps_the_eagle3_draft_where_a_prefill_would_put_it():
+  """After k fixed-loop rounds at G = 0 (a stage that a drafting stage follows) the EAGLE-3
+  draft's next proposal logits and hidden state are those a prefill over the prompt and the k
+  tokens emitted so far computes: it took in every token, in step. A plain stage
+  (`Spec.stage_plain`), which leaves the draft behind, does not match (the check can fail)."""
+  from specdraft.decode.sampling import Sampling
+
+  pcfg, params, prompts, lengths, _ = _policy_and_prompts()
+  dcfg = _draft_config("eagle3", pcfg)
+  dparams = drafts.init_params(dcfg, 1, params, pcfg)
+  greedy, k = Sampling(0.0, 0, 1.0), 3
+  stage = speculative.Spec(pcfg, dcfg, N, 3, False, greedy, stage_G=0)
+  init = jax.jit(lambda p, n, sp: speculative.init(params, dparams, p, n, jax.random.key(0), spec=sp),
+                 static_argnums=2)  # fmt: skip
+
+  def after_k_rounds(spec):
+    carry = init(prompts, lengths, spec)
+    one = jax.jit(lambda c: speculative.one_round(params, dparams, c, G=0, spec=spec))
+    for _ in range(k):
+      carry = one(carry)
+    return jax.device_get(carry)
+
+  kept = after_k_rounds(stage)
+  live = ~kept["done"] & (kept["out_len"] == k + 1)  # rows that emitted every token so far
+  assert live.sum() >= 6, kept["out_len"]
+  # the oracle's prompt: each row's prompt followed by the first k tokens it emitted
+  lens = np.asarray(lengths)
+  longer = np.zeros((prompts.shape[0], prompts.shape[1] + k), np.int32)
+  for b in range(longer.shape[0]):
+    longer[b, : lens[b]] = np.asarray(prompts)[b, : lens[b]]
+    longer[b, lens[b] : lens[b] + k] = kept["out"][b, :k]
+  ref = jax.device_get(init(jnp.asarray(longer), jnp.asarray(lens + k), stage))
+  np.testing.assert_array_equal(kept["c"][live], ref["c"][live])
+  np.testing.assert_array_equal(kept["out"][live, k], ref["c"][live])
+  for name in ("q_logits", "h"):
+    np.testing.assert_allclose(kept[name][live], ref[name][live], rtol=1e-4, atol=1e-4)
+  behind = after_k_rounds(stage._replace(stage_plain=True))
+  assert np.abs(behind["q_logits"][live] - ref["q_logits"][live]).max() > 1e-2
