@@ -11,15 +11,14 @@ steps): SFT data mixes two answer formats (95% "columns", 5% "symbols": the same
 symbol of it other, '&' for '+', ':' for '=', '/' between columns) with a freely varying
 scratchpad (spaces: about 0.35 nats per answer token); the RL reward pays only for correct answers
 in the rare format, so the policy's output distribution moves, and with it most of the
-scratchpad's text. (`:rare=semicolon` is the rare format of the runs before 2026-12-04, which
-differs from "columns" only between columns: RL moved the policy there as well, but the fixed
-draft's tau fell by 11.6% only, short of the 15% goal.)
+scratchpad's text. (`:rare=semicolon` makes the rare format one that differs from "columns" only
+between columns: RL moves the policy there as well but changes less of its text, so a fixed
+draft loses less of its acceptance.)
 
 From one SFT policy and one distilled EAGLE-3 draft, three arms run RL: A (autoregressive
 rollouts), B (SD with the fixed draft), C (SD with the co-trained draft). With `:dflash` a
 fourth, D, rolls out with and co-trains a DFlash draft distilled from the same SFT policy (arm
-"cotrained_dflash", with its tau-kept goal); it adds about a third to the run (about 4.6 min per
-arm and seed here). Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
+"cotrained_dflash", with its tau-kept goal); it adds one arm's runs to the experiment. Each arm runs 5 seeds by default, with G = decode.num_draft = 3 proposals a
 round (make run's).
 
 `:longtail` runs the experiment on the long-tailed task (configs/default.py:longtail,

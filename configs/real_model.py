@@ -40,22 +40,16 @@ def get_config(arg: str | None = None):
   c.sft.steps = c.rl.steps = 0
   c.decode.max_new_tokens, c.decode.num_draft = 32, 5
   d = c.draft
-  # TTT steps = G: every proposal position of a round is trained (with 3 TTT steps and G = 5
-  # the 4th and 5th proposals were never accepted in a run of this config at b06fb7c)
+  # TTT steps = G: every proposal position of a round is trained (a position beyond the TTT
+  # steps is never trained, so its proposals are rarely accepted)
   d.kind, d.ttt_steps, d.vocab_size = "eagle3", c.decode.num_draft, 2048
-  # A distillation step (32 prompts rolled out for 32 tokens by the 30-layer policy, then one
-  # draft update on them) took about 8 s on an Intel 2-core machine (b06fb7c: 4 s the rollout,
-  # 4 s the update) and about 33 s on an AMD EPYC 2-core machine (the full run at 14fa778: 69 of
-  # its 81 minutes), plus about 10 minutes for conversion, the vocabulary, checks and timing.
-  # Profiled on another AMD EPYC 2-core machine (2026-12-03): rollout 3.9 s, update 6.1 s, of
-  # which the policy forward 1.5 s and the TTT targets' full-vocabulary logits (5 steps x the
-  # 49152-wide head) most of the rest; the targets now multiply only the head's columns of the
-  # draft's 2048 ids (eagle3.ttt_loss_on_shard): update 3.4 s.
+  # A distillation step: 32 prompts rolled out for 32 tokens by the 30-layer policy, then one
+  # draft update on them (the TTT targets multiply only the head's columns of the draft's 2048
+  # ids, eagle3.ttt_loss_on_shard); most of the run's time is these steps
   d.pretrain_steps = arg.steps or 120
   d.batch_size, d.lr, d.warmup_steps, d.log_every = 32, 3e-3, 5, 5
   # Greedy and sampled generations on alternate steps: the report times SD at T = 0 and T = 1,
-  # and a draft distilled on T = 1 samples alone saw none of the greedy continuations (tau 1.31
-  # at T = 0 after 50 steps at b06fb7c; 2.01 after 30 greedy-only steps)
+  # and a draft distilled on T = 1 samples alone sees none of the greedy continuations
   d.rollout_temperatures = (0.0, 1.0)
   # the run's own report is off: the points of real.report are timed after it
   c.eval.num_examples, c.eval.batch_size, c.eval.every = 8, 1, 1000
