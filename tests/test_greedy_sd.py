@@ -345,6 +345,22 @@ def test_compaction_keeps_every_rows_sampled_tokens(setup, mode):
     np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(ref.tokens))
 
 
+def _staged_greedy_is_ar(setup, cost, prior) -> dict:
+  """Greedy decoding with G chosen per stage (buckets 12, 8, 4) gives AR's tokens and lengths
+  exactly; returns its stats."""
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  gen = engine.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
+    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
+    compact=True, min_rows=4,
+  )  # fmt: skip
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
+  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
+  return jax.device_get(gen.stats)
+
+
 def test_g_per_stage_keeps_greedy_ar_tokens_across_every_g(setup):
   """auto_every = stage: the host plans one G per bucket (here 0 at 12 rows, 3 at 8, 1 at 4) and
   each stage runs a fixed loop at it on the carry the last stage left (buffers sized by G_max;
@@ -359,14 +375,7 @@ def test_g_per_stage_keeps_greedy_ar_tokens_across_every_g(setup):
   cost, prior = _priced_cost(pcfg, dcfg, prices), _prior(3)
   spec = speculative.Spec(pcfg, dcfg, N, 3, True, None)
   assert engine.stage_plan(cost, prior, [12, 8, 4], spec, 99) == {12: 0, 8: 3, 4: 1}
-  gen = engine.generate(
-    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
-    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
-    compact=True, min_rows=4,
-  )  # fmt: skip
-  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
-  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
-  st = jax.device_get(gen.stats)
+  st = _staged_greedy_is_ar(setup, cost, prior)
   trace = st["num_draft_trace"][: st["rounds"]]
   # every round ran its stage's planned G: a stage runs while more rows generate than the next
   # bucket holds
@@ -406,14 +415,7 @@ def test_g_per_stage_leaves_the_draft_behind_once_no_stage_drafts_again(setup):
   assert plan == {12: 3, 8: 0, 4: 0}, plan
   assert engine.plain_stages(plan) == {8, 4}
   assert engine.plain_stages({12: 0, 8: 3, 4: 0}) == {4}
-  gen = engine.generate(
-    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
-    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
-    compact=True, min_rows=4,
-  )  # fmt: skip
-  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(ar.tokens))
-  np.testing.assert_array_equal(np.asarray(gen.lengths), np.asarray(ar.lengths))
-  st = jax.device_get(gen.stats)
+  st = _staged_greedy_is_ar(setup, cost, prior)
   assert st["num_draft_counts"][0] > 0 and st["num_draft_counts"][3] > 0, st["num_draft_counts"]
   # one round of a plain stage on a fresh carry: the draft's state is untouched (a block draft's
   # G = 0 round runs no draft pass in any case: the same round either way)
