@@ -368,7 +368,7 @@ def test_the_correction_prices_rounds_as_the_calibration_timed_them():
   # a G chosen per stage runs the fixed loop: its correction stays the AR steps' and SD rounds'
   assert cost.Correction.from_points(pts + auto, pcfg.n_layers, every="stage") == k
   assert cost.Correction.from_points(pts[9:18], pcfg.n_layers) is None  # shallow only
-  # ... and where the fixed loop's own G = 0 round was timed (Grid.stage_zero), that is its G = 0
+  # ... and where the fixed loop's own G = 0 round was timed (Grid.stage), that is its G = 0
   # column, the AR step kept for a plain G = 0; a G chosen per round leaves that round out
   zero = _round_points(model, lambda b, G: 0.4 + 0.01 * b, (1, 16, 64), (0,), kind="sd")
   k3 = cost.Correction.from_points(pts + zero, pcfg.n_layers, every="stage")
@@ -464,24 +464,31 @@ def test_auto_every_is_validated_before_any_work(tmp_path):
   assert d.auto_every == "stage"
 
 
-def test_the_fixed_loop_is_timed_at_g_0_sized_by_the_largest_g():
-  """Grid.stage_zero's point: the fixed loop's round at G = 0 (its draft taking in the emitted
-  token) is timed with buffers sized by the largest G timed beside it."""
+def test_the_fixed_loop_is_timed_as_a_stage_runs_it():
+  """Grid.stage's points: the fixed loop's rounds at every G = 0..max(round_G), each with buffers
+  sized by the largest G, as a stage of G chosen per stage runs it (G = 0: its draft taking in the
+  emitted token); without it the loop at G = 0 is still sized by the largest G and every other G
+  by its own."""
+  assert cost.Grid(round_G=(2, 5), stage=True).full_depth_G() == (0, 1, 2, 3, 4, 5)
+  assert cost.Grid(round_G=(2, 5), stage=True).full_depth_G(has_draft=False) == (2, 5)
+  assert cost.Grid(round_G=(2, 5)).full_depth_G() == (2, 5)
   pcfg, dcfg = _models()
   params = pol.init_params(pcfg, 0)
   dparams = drafts.init_params(dcfg, 1, params, pcfg)
-  pts = cost.time_rounds(
-    params, dparams, pcfg, dcfg, rows=(2,), num_drafts=(0, 3), prompt_len=4, new_tokens=6,
-    repeats=1,
-  )  # fmt: skip
-  assert [(p["model"], p["tokens"], p["capacity"]) for p in pts] == [
+  kw = dict(rows=(2,), prompt_len=4, new_tokens=6, repeats=1)
+  staged = cost.time_rounds(params, dparams, pcfg, dcfg, num_drafts=(0, 1, 3), stage=True, **kw)
+  assert [(p["model"], p["tokens"], p["capacity"]) for p in staged] == [
     ("ar", 0, 10),
     ("sd", 0, 15),
+    ("sd", 1, 15),
     ("sd", 3, 15),
   ]
-  assert all(0 < p["seconds"] < 1 for p in pts)
+  assert all(0 < p["seconds"] < 1 for p in staged)
+  own = cost.time_rounds(params, dparams, pcfg, dcfg, num_drafts=(0, 1), **kw)
+  assert [(p["model"], p["tokens"], p["capacity"]) for p in own] == [
+    ("ar", 0, 10),
+    ("sd", 0, 13),
+    ("sd", 1, 13),
+  ]
   with pytest.raises(ValueError, match="needs a G > 0"):
-    cost.time_rounds(
-      params, dparams, pcfg, dcfg, rows=(2,), num_drafts=(0,), prompt_len=4, new_tokens=6,
-      repeats=1,
-    )  # fmt: skip
+    cost.time_rounds(params, dparams, pcfg, dcfg, num_drafts=(0,), **kw)

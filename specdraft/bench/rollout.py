@@ -232,7 +232,7 @@ def run_adaptive(config, workdir: str) -> dict:
     capacity=ctx.prompt_len + N + M + 2,
     prompt_len=ctx.prompt_len,
     adaptive=correct,
-    stage_zero=correct and stage,  # the fixed loop's G = 0 round: the stage plan's price of it
+    stage=correct and stage,  # the fixed loop at every G: the rounds the stage plan prices
   )
   model, record = cost.calibrate(
     params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
@@ -270,6 +270,9 @@ def run_adaptive(config, workdir: str) -> dict:
       run, temperature=b.temperature, repeats=b.repeats, seed=100, warm=every_stage,
       min_seconds=b.get("min_seconds", 0.0),
     )  # fmt: skip
+    # the timed executables are not needed again: held beside the greedy checks' compiles they
+    # exhausted the process's memory mappings at 128 rows (an LLVM allocation error)
+    jax.clear_caches()
     row = _adaptive_row(B, samples, first, b.num_drafts)
     row["prior_rates"] = prior.rates().tolist()
     # what auto chose G from at this batch (before compaction): the fit's seconds of a round at

@@ -44,8 +44,8 @@ carries over to a policy size it was not fitted on.
 What an adaptive round chooses G by (`CostModel.round_seconds_all`) is the model corrected by
 the calibration's own timed rounds (`Correction`, `decode.cost_correction`): at the timed row
 counts, the adaptive loop's rounds timed at every G (`Grid.adaptive`), or AR steps and the fixed
-loop's rounds at a few G (for a G chosen per stage: the fixed loop's, its G = 0 round included
-with `Grid.stage_zero`); between them the model's shape scaled to the nearby measurements. The
+loop's rounds at a few G (for a G chosen per stage: the fixed loop's at every G, as a stage runs
+them, with `Grid.stage`); between them the model's shape scaled to the nearby measurements. The
 choice compares rounds at the same rows whose expected tokens differ by 10-20%, finer than the
 fit's point errors (up to 25% on this CPU); the fit carries over to sizes and machines never
 timed, the correction does not.
@@ -219,7 +219,7 @@ class Correction:
   G: tuple[int, ...]  # ascending, from 0
   log_ratio: tuple[tuple[float, ...], ...]  # [rows][G]
   # [rows]: AR steps', where the G = 0 column is a fixed loop's round whose draft takes in the
-  # emitted token (a G per stage with `Grid.stage_zero`); a plain G = 0 reads this instead
+  # emitted token (a G per stage with `Grid.stage`); a plain G = 0 reads this instead
   plain: tuple[float, ...] = ()
 
   @classmethod
@@ -230,7 +230,7 @@ class Correction:
     every round, the adaptive loop's own rounds at every G when it timed them (`Grid.adaptive`),
     else (and for a G chosen per stage, `every` = "stage", which runs the fixed loop) AR steps
     (G = 0) and the fixed loop's SD rounds. For a G per stage the fixed loop's G = 0 round, where
-    timed (`Grid.stage_zero`), is the G = 0 column and the AR steps are kept apart (`plain`: a
+    timed (`Grid.stage`), is the G = 0 column and the AR steps are kept apart (`plain`: a
     last G = 0 stage runs as they do); for a G per round a plain step is an AR step's price, so
     that round is left out. None when no row count has G = 0 timed."""
     if every not in AUTO_EVERY:
@@ -454,10 +454,17 @@ class Grid:
   # argument): what an adaptive round costs at G, which `Correction` prices the choice by. Not
   # fitted on (a plain step and the adaptive loop's branches are not the fixed loop's rounds).
   adaptive: bool = False
-  # also time the fixed loop's round at G = 0 (full depth), where EAGLE-3 takes in the emitted
-  # token: the price of a G = 0 stage that a drafting stage follows (decode.auto_every = stage;
-  # an AR step would price it a draft pass too low)
-  stage_zero: bool = False
+  # also time the fixed loop at every G = 0..max(round_G) (full depth), buffers sized by the
+  # largest G, as a stage of G chosen per stage runs it (decode.auto_every = stage): the rounds
+  # its plan prices, G = 0 included (EAGLE-3 taking in the emitted token, a draft pass an AR step
+  # does not have); the stage plan compares adjacent G, so none of them is interpolated
+  stage: bool = False
+
+  def full_depth_G(self, has_draft: bool = True) -> tuple[int, ...]:
+    """The G at which the fixed loop's rounds are timed at full depth (`time_rounds`)."""
+    if self.stage and has_draft and self.round_G:
+      return tuple(range(max(self.round_G) + 1))
+    return tuple(self.round_G)
 
 
 def shallow_policy(params, pcfg: pol.PolicyConfig, layers: int, n_taps: int | None = None):
@@ -487,17 +494,17 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
       s = time_draft_pass(params, dparams, pcfg, dcfg, rows, tokens, grid.capacity, min_s=min_s)
       out.append(dict(model="draft", rows=rows, tokens=tokens, capacity=grid.capacity, seconds=s))
   new_tokens = grid.capacity - grid.prompt_len - max(grid.round_G, default=0) - 2
-  zero = (0,) if grid.stage_zero and dcfg is not None and grid.round_G else ()
   out += time_rounds(
     params,
     dparams,
     pcfg,
     dcfg,
     rows=grid.round_rows,
-    num_drafts=zero + tuple(grid.round_G),
+    num_drafts=grid.full_depth_G(dcfg is not None),
     prompt_len=grid.prompt_len,
     new_tokens=new_tokens,
     repeats=3,
+    stage=grid.stage,
   )
   if grid.adaptive and dcfg is not None and grid.round_G:
     out += time_adaptive_rounds(
@@ -531,11 +538,14 @@ def measure(params, dparams, pcfg, dcfg, grid: Grid, *, min_s: float = 0.05) -> 
   return out
 
 
-def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, new_tokens, repeats):
+def time_rounds(
+  params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, new_tokens, repeats, stage=False
+):
   """Seconds of an AR step and of an SD round at each G in `num_drafts`, at each row count, as the
   decoding loop runs them: a stage's seconds over its rounds (the stop token disabled, so every
-  row rides in every pass to the end). G = 0: the fixed loop's round at G = 0 with buffers sized
-  by the largest G (a stage of G per stage, `speculative.Spec.stage_G`).
+  row rides in every pass to the end). G = 0 (and every G with `stage`): the fixed loop's round
+  at that G with buffers sized by the largest G, as a stage of G chosen per stage runs it
+  (`speculative.Spec.stage_G`).
   [{model: ar | sd, rows, tokens: G, capacity, seconds}]"""
   from specdraft.decode import autoregressive, engine, speculative
   from specdraft.decode.rejection import rejection_sample
@@ -560,7 +570,10 @@ def time_rounds(params, dparams, pcfg, dcfg, *, rows, num_drafts, prompt_len, ne
     for G in num_drafts:
       if M == 0:
         raise ValueError("num_drafts=(0,): a fixed loop's G = 0 round needs a G > 0 to size it")
-      spec = speculative.Spec(pcfg, dcfg, new_tokens, G or M, False, sm, stage_G=-1 if G else 0)
+      sized = M if stage or G == 0 else G
+      spec = speculative.Spec(
+        pcfg, dcfg, new_tokens, sized, False, sm, stage_G=G if sized != G or G == 0 else -1
+      )
       choice = speculative.Choice.of(spec, None, None)
       stages.append(
         (

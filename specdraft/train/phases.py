@@ -261,7 +261,7 @@ class Context:
         capacity=self.prompt_len + N + G + 2,
         prompt_len=self.prompt_len,
         adaptive=correct and every == "round",  # a G per stage runs the fixed loop's rounds
-        stage_zero=correct and every == "stage",  # ... and its G = 0 round
+        stage=correct and every == "stage",  # ... at every G, as its stages run them
       )
       cache_dir = os.path.join(self.workdir, "cost")
       model, _ = cost.calibrate(
