@@ -140,10 +140,19 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     # also time auto with G chosen once per compaction stage (decode.auto_every = stage: each
     # stage the fixed loop at its G), beside auto's per-round choice
     auto_stage=True,
+    # time the fixed arm at the largest G twice, as two arms: the ratio of one program to itself
+    # (results: control_over_same), the resolution of every ratio of two arms on this host
+    control=True,
+    # and a second stage arm planned from every timed round as measured (decode.cost_outlier
+    # = 0), beside the one the config's cost_outlier plans
+    as_timed_arm=True,
   )
   # the choice of G prices a round by the cost model corrected to the calibration's own timed
   # rounds of the adaptive loop at every G (decode/cost.py: Correction); False: the fit alone
   c.decode.cost_correction = True
+  # ... each row count's timed rounds further than 0.1 (log ratio) from its robust line in G
+  # priced by the line (decode.cost_outlier; 0: every timed round as measured)
+  c.decode.cost_outlier = 0.1
   if smoke:
     c.bench.update(
       batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, min_seconds=0.0, max_new_tokens=16,

@@ -237,7 +237,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # or "stage": G chosen once per compaction stage before the rollout, each stage the fixed-G
   # loop (at G = 0 the draft still takes in the emitted tokens while a later stage drafts).
   # cost_correction: the round prices carry the calibration's own timed rounds (measured over
-  # fitted), not the fit alone. compact: rollouts gather their unfinished rows into the next
+  # fitted), not the fit alone; cost_outlier: a timed round at G >= 1 further than this (log
+  # ratio) from its row count's robust line in G is taken as a timing outlier and priced by the
+  # line (0 = every timed round as measured; decode/cost.py: Correction). compact: rollouts gather their unfinished rows into the next
   # power-of-two batch once no more than that many still generate, down to min_rows
   # (decode/engine.py; AR rollouts too; each bucket is a compile).
   c.decode = ml_collections.ConfigDict(
@@ -247,6 +249,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       speculation="fixed",
       auto_every="round",
       cost_correction=True,
+      cost_outlier=0.1,
       compact=True,
       min_rows=4,
       prior_rate=0.6,
@@ -282,8 +285,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # a spaced answer has at most 58 characters, then EOS; BOS + prompt + answer + EOS <= 68
     c.decode.max_new_tokens = 60
     c.data.seq_len = 72
-    # sized for make run's 20-minute budget: 800 SFT steps, 160 distillation steps and held-out
-    # evals every 10 RL steps took 1316 s (docs/results/make_run at c50e9cd)
+    # sized for make run's 20-minute budget (docs/results.md: make_run records its wall time)
     c.sft.steps, c.sft.lr = 700, 2e-3
     c.eval.every = 350
     c.draft.pretrain_steps = 120
@@ -291,9 +293,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # K = 3 TTT steps: the co-training step costs about 1.2x an RL-only step at 12 layers
     # (7 steps: about 1.55x; docs/results/bench_step), which the whole RL step's time feels.
     c.draft.ttt_steps = 3
-    # G = 3 proposals a round: the fastest of G = 1..6 at this setting, 1.63x AR against 1.40x at
-    # G = 5 (docs/results/bench_num_draft, configs/bench_rollout.py:sweep at 185acba): a longer
-    # proposal raises tau by less than its draft passes cost
+    # G = 3 proposals a round: the fastest of G = 1..6 at this setting (configs/bench_rollout.py:
+    # sweep, docs/results.md): a longer proposal raises tau by less than its draft passes cost
     c.decode.num_draft = 3
     # at 5e-4 the 12-layer policy switched format within 7 steps (reward 0.05 -> 0.44), then its
     # arithmetic broke (reward back to ~0.05 by step 18): too large a step for this depth

@@ -194,6 +194,14 @@ def _validate_decoding(config) -> None:
       (dec.prior_weight, dec.prior_keep),
       "need prior_weight >= 0 (pseudo rounds) and prior_keep in [0, 1]",
     )
+  outlier = dec.get("cost_outlier", 0.0)
+  if isinstance(outlier, bool) or not isinstance(outlier, (int, float)) or not outlier >= 0:
+    invalid(
+      "decode.cost_outlier",
+      outlier,
+      "expected a log ratio >= 0: how far a timed round may lie from its row count's robust line "
+      "in G before the line prices it (0 = every timed round as measured)",
+    )
   # Sampling temperatures: RL rollouts, draft distillation and the SD-vs-AR report.
   for field, value in (
     ("rl.temperature", config.rl.temperature),

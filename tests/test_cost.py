@@ -268,6 +268,28 @@ def test_the_bench_splits_corrected_errors_at_and_between_timed_rounds():
   assert all(abs(abs(p["rel_error_corrected"]) - (1 - 1 / 1.1)) < 1e-9 for p in rounds[:-1])
 
 
+def test_the_rollout_bench_reports_its_control_and_the_planned_arm():
+  """bench_rollout:auto's per-batch row: the control arm (the largest fixed G's program timed as a
+  second arm) over that arm, which is not a candidate for the best fixed G; auto_stage over the
+  fixed arm at the G its plan chose for every stage, and no such ratio for a mixed plan."""
+  from specdraft.bench import rollout
+
+  rates = {"ar": 10.0, 1: 12.0, 2: 15.0, "auto": 14.0, "auto_stage": 13.5, "control": 18.0}
+  samples = {
+    k: [dict(tokens_per_s=r * f, tokens=40, policy_passes_per_token=0.5) for f in (0.9, 1.0, 1.2)]
+    for k, r in rates.items()
+  }
+  row = rollout._adaptive_row(8, samples, {k: 1.0 for k in rates}, (1, 2))
+  assert row["best_fixed"] == 2 and row["control_over_same"] == pytest.approx(18.0 / 15.0)
+  assert row["auto_stage_over_best_fixed"] == pytest.approx(13.5 / 15.0)
+  row["stage_plan"] = {"8": 1, "4": 1}
+  assert rollout._over_planned(row) == pytest.approx(13.5 / 12.0)
+  row["stage_plan"] = {"8": 0, "4": 0}
+  assert rollout._over_planned(row) == pytest.approx(13.5 / 10.0)  # G = 0: against the AR arm
+  row["stage_plan"] = {"8": 2, "4": 1}
+  assert rollout._over_planned(row) is None
+
+
 def test_buckets_by_hand():
   assert engine.buckets(64) == [64, 32, 16, 8, 4, 2, 1]
   assert engine.buckets(64, 4) == [64, 32, 16, 8, 4]
@@ -285,6 +307,8 @@ def test_buckets_by_hand():
     ("catch_up_window", 0, "decode.catch_up_window"),
     ("prior_rate", 1.5, "decode.prior_rate"),
     ("prior_keep", 2.0, "prior_keep"),
+    ("cost_outlier", -0.1, "decode.cost_outlier"),
+    ("cost_outlier", float("nan"), "decode.cost_outlier"),
   ],
 )
 def test_decoding_settings_are_validated_before_any_work(field, value, match):
@@ -411,6 +435,72 @@ def test_the_correction_moves_the_choice_to_the_timed_best_G():
     )
   )
   assert pick(model) == 5 and pick(corrected) == 3
+
+
+def test_theil_sen_by_hand():
+  """The median of pairwise slopes, then the median intercept: a line through most points whatever
+  one wild point does; points at one x give a flat line at their median."""
+  assert cost.theil_sen([1, 2, 3], [1.0, 3.0, 5.0]) == pytest.approx((2.0, -1.0))
+  # six of the ten pairwise slopes are 0 (among x = 1..4), the four with x = 5 are 2 to 8
+  assert cost.theil_sen([1, 2, 3, 4, 5], [0.0, 0.0, 0.0, 0.0, 8.0]) == pytest.approx((0.0, 0.0))
+  assert cost.theil_sen([2, 2], [1.0, 3.0]) == pytest.approx((0.0, 2.0))
+
+
+def test_a_timing_outlier_is_priced_by_its_row_counts_line():
+  """With `outlier`, a timed SD round further than that (log ratio) from the Theil-Sen line of its
+  row count's rounds at G >= 1 is priced by the line; the rest keep their measurement (a bend
+  within `outlier` survives), G = 0 is kept whatever it is, a row count with two drafted rounds
+  has no line to judge by, and the replaced measurements are recorded. The choice of G that the
+  outlier moved moves back: a G = 1 round timed 30% fast at 64 rows made G = 1 the choice where
+  its neighbours' level makes a deeper G the best."""
+  pcfg, dcfg = _models()
+  model = cost.CostModel(cost.Machine(2e-2, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
+  M = 5
+  bend = {1: 0.0, 2: 0.02, 3: 0.0, 4: 0.05, 5: 0.0}  # a real bend, within the threshold
+  # deep rounds cheaper than the fit says (a falling line), G = 1 at 64 rows timed 30% fast
+  level = lambda b, G: (
+    0.5 if G == 0 else 0.1 - 0.12 * G + bend[G] - (0.35 if (b, G) == (64, 1) else 0.0)
+  )  # noqa: E501,E731
+  pts = _round_points(model, level, (16, 64), range(M + 1))
+  pts += _round_points(model, lambda b, G: 0.9 * G, (4,), (0, 1, 2))  # two drafted: no line
+  raw = cost.Correction.from_points(pts, pcfg.n_layers)
+  k = cost.Correction.from_points(pts, pcfg.n_layers, outlier=0.1)
+  assert raw.rows == k.rows == (16, 64) and raw.replaced == ()
+  assert [(r, G) for r, G, _ in k.replaced] == [(64, 1)]
+  assert k.replaced[0][2] == pytest.approx(level(64, 1))
+  for b in (16, 64):
+    for G in range(M + 1):
+      if (b, G) != (64, 1):
+        assert k.factor(b, G) == pytest.approx(np.exp(level(b, G)), rel=1e-9)
+  # near the level without the outlier (-0.02), within the threshold; the measurement was 0.35 off
+  assert abs(np.log(k.factor(64, 1)) - (-0.02 + bend[1])) < 0.1
+  two = cost.Correction.from_points(
+    _round_points(model, lambda b, G: [0.0, 0.9, 0.0][G], (4,), (0, 1, 2)), pcfg.n_layers,
+    outlier=0.1,
+  )  # fmt: skip
+  assert two.replaced == () and two.factor(4, 1) == pytest.approx(np.exp(0.9), rel=1e-9)
+  assert cost.Correction.from_points(pts, pcfg.n_layers, outlier=0.0) == raw
+  with pytest.raises(ValueError, match="outlier"):
+    cost.Correction.from_points(pts, pcfg.n_layers, outlier=-1.0)
+  # the choice: expected tokens per second at 64 rows
+  prior = cost.Acceptance.prior(M, rate=0.9, weight=100.0)
+  spec = speculative.Spec(pcfg, dcfg, 16, M, True, Sampling(1.0, 0, 1.0))
+  no_counts = {"accept_counts": jnp.zeros((M,)), "reach_counts": jnp.zeros((M,))}
+  pick = lambda fix: int(
+    speculative.choose_num_draft(  # noqa: E731
+      no_counts,
+      speculative.Choice.of(
+        spec, dataclasses.replace(model, correction=fix).round_seconds_all(64, M, 96), prior
+      ),
+    )
+  )
+  timed_best = lambda fix: int(
+    np.argmax(  # noqa: E731
+      [cost.expected_tokens(prior.rates(), G) for G in range(M + 1)]
+      / dataclasses.replace(model, correction=fix).round_seconds_all(64, M, 96)
+    )
+  )
+  assert pick(raw) == 1 and pick(k) == timed_best(k) != 1
 
 
 def test_the_adaptive_loop_is_timed_at_each_forced_G():

@@ -223,6 +223,7 @@ def run_adaptive(config, workdir: str) -> dict:
   dparams, _ = loop.draft_phase(ctx, params)
   M, N = max(b.num_drafts), b.max_new_tokens
   correct = config.decode.get("cost_correction", True)
+  outlier = config.decode.get("cost_outlier", 0.0)
   stage = b.get("auto_stage", False)
   grid = cost.Grid(
     rows=tuple(b.grid_rows),
@@ -236,12 +237,21 @@ def run_adaptive(config, workdir: str) -> dict:
   )
   model, record = cost.calibrate(
     params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
-    correct=correct,
+    correct=correct, outlier=outlier,
   )  # fmt: skip
   # G chosen per stage (decode.auto_every = stage) runs the fixed loop: its correction is from
   # the calibration's AR steps and fixed-loop rounds
-  stage_fix = cost.Correction.from_points(record["points"], ctx.pcfg.n_layers, every="stage")
+  stage_fix = cost.Correction.from_points(
+    record["points"], ctx.pcfg.n_layers, every="stage", outlier=outlier
+  )
   stage_model = dataclasses.replace(model, correction=stage_fix if correct else None)
+  # bench.as_timed_arm: a second stage arm whose plan prices every timed round as measured
+  # (outlier 0), beside the arm the config's decode.cost_outlier plans; where both plan the same
+  # G they run the same program (another control)
+  as_timed = None
+  if stage and correct and outlier > 0 and b.get("as_timed_arm", False):
+    fix = cost.Correction.from_points(record["points"], ctx.pcfg.n_layers, every="stage")
+    as_timed = dataclasses.replace(model, correction=fix)
   window = config.decode.get("catch_up_window", 8)
   kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows, window=window)
   rows = []
@@ -262,10 +272,20 @@ def run_adaptive(config, workdir: str) -> dict:
     run["ar_plain"] = lambda key, t: autoregressive.generate(
       params, ctx.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
     )
+    if b.get("control", False):  # the fixed arm at G_max again: the same program, timed apart
+      run["control"] = run[M]
     # the first (untimed) calls run every bucket's stage: no timed call compiles one
     every_stage = engine_arms(
       params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=True, **arms_kw
     )
+    if "control" in run:
+      every_stage["control"] = every_stage[M]
+    if as_timed is not None:
+      for arms, full in ((run, False), (every_stage, True)):
+        arms["auto_stage_as_timed"] = engine_arms(
+          params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=full,
+          **dict(arms_kw, stage_cost=as_timed),
+        )["auto_stage"]  # fmt: skip
     first, samples = time_side_by_side(
       run, temperature=b.temperature, repeats=b.repeats, seed=100, warm=every_stage,
       min_seconds=b.get("min_seconds", 0.0),
@@ -288,6 +308,16 @@ def run_adaptive(config, workdir: str) -> dict:
       row["stage_plan"] = {str(k): v for k, v in engine.stage_plan(
         stage_model, prior, sizes, spec, capacity
       ).items()}  # fmt: skip
+      row["auto_stage_over_planned_fixed"] = _over_planned(row)
+    if as_timed is not None:
+      row["stage_plan_as_timed"] = {str(k): v for k, v in engine.stage_plan(
+        as_timed, prior, sizes, spec, capacity
+      ).items()}  # fmt: skip
+      rate = row["tokens_per_s"]
+      row["auto_stage_as_timed_over_best_fixed"] = (
+        rate["auto_stage_as_timed"] / rate[str(row["best_fixed"])]
+      )
+      row["auto_stage_over_as_timed"] = rate["auto_stage"] / rate["auto_stage_as_timed"]
       row["round_seconds_stage"] = stage_model.round_seconds_all(
         B, M, capacity, plain=False
       ).tolist()
@@ -302,6 +332,8 @@ def run_adaptive(config, workdir: str) -> dict:
       if stage
       else ""
     )
+    if "control_over_same" in row:
+      per_stage += f", control/G={M} {row['control_over_same']:.2f}"
     print(
       f"  batch {B}: auto/AR {row['auto_over_ar']:.2f}x, best fixed G={row['best_fixed']} "
       f"{row['best_fixed_over_ar']:.2f}x, auto/best {row['auto_over_best_fixed']:.2f}{per_stage}",
@@ -316,6 +348,9 @@ def run_adaptive(config, workdir: str) -> dict:
       "min_seconds": b.get("min_seconds", 0.0),
       "min_rows": b.min_rows,
       "auto_stage": stage,
+      "control": b.get("control", False),
+      "as_timed_arm": as_timed is not None,
+      "cost_outlier": outlier,
       "policy_layers": ctx.pcfg.n_layers,
       "d_model": ctx.pcfg.d_model,
     },
@@ -335,6 +370,23 @@ def run_adaptive(config, workdir: str) -> dict:
         if stage
         else {}
       ),
+      **(
+        {
+          "auto_stage_as_timed_over_best_fixed_min": min(
+            r["auto_stage_as_timed_over_best_fixed"] for r in rows
+          ),
+        }
+        if as_timed is not None
+        else {}
+      ),
+      **(
+        {
+          "control_over_same_min": min(r["control_over_same"] for r in rows),
+          "control_over_same_max": max(r["control_over_same"] for r in rows),
+        }
+        if b.get("control", False)
+        else {}
+      ),
     },
     "training_summary": summary,
   }
@@ -346,11 +398,30 @@ def run_adaptive(config, workdir: str) -> dict:
   return results
 
 
+def _over_planned(row: dict) -> float | None:
+  """auto_stage tokens/s over the fixed arm at the G its plan chose, where the plan chose one G
+  for every stage (then both arms run the same rounds; None otherwise): a diagnostic beside the
+  goals, which compare with the best of the fixed arms."""
+  planned = set(row["stage_plan"].values())
+  if len(planned) != 1:
+    return None
+  G = planned.pop()
+  return row["tokens_per_s"]["auto_stage"] / row["tokens_per_s"]["ar" if G == 0 else str(G)]
+
+
 def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
-  """Median tokens/s of every arm; each arm's speedup over compacted AR; the best fixed G."""
+  """Median tokens/s of every arm; each arm's speedup over compacted AR; the best fixed G; with a
+  `control` arm (the fixed arm at the largest G again) its tokens/s over that arm's: how far
+  apart this host times one program in two arms, the floor under every ratio of two arms here
+  (and the best of five fixed arms is the largest of five such noisy medians)."""
   rate = {str(k): float(np.median([s["tokens_per_s"] for s in v])) for k, v in samples.items()}
   over_ar = {k: r / rate["ar"] for k, r in rate.items()}
   best = max((int(G) for G in num_drafts), key=lambda G: rate[str(G)])
+  control = (
+    {"control_over_same": rate["control"] / rate[str(max(int(G) for G in num_drafts))]}
+    if "control" in rate
+    else {}
+  )
   auto = samples["auto"]
   stage = (
     {
@@ -363,6 +434,7 @@ def _adaptive_row(B: int, samples: dict, first: dict, num_drafts) -> dict:
   )
   return {
     **stage,
+    **control,
     "batch": B,
     "tokens_per_s": rate,
     "over_ar": over_ar,
@@ -393,17 +465,28 @@ def adaptive_table(results) -> str:
   arms = ["ar_plain"] + [str(G) for G in results["config"]["num_drafts"]] + ["auto"]
   if results["config"].get("auto_stage"):
     arms.append("auto_stage")
+  if results["config"].get("as_timed_arm"):
+    arms.append("auto_stage_as_timed")
   stage = results["config"].get("auto_stage", False)
-  head = " ".join(f"{('G=' + a) if a.isdigit() else a:>8}" for a in arms)
-  extra = f" {'stage/best':>10}" if stage else ""
+  control = results["config"].get("control", False)
+  label = lambda a: "G=" + a if a.isdigit() else {"auto_stage_as_timed": "as_timed"}.get(a, a)
+  head = " ".join(f"{label(a):>8}" for a in arms)
+  extra = f" {'stage/best':>10} {'stage/plan':>10}" if stage else ""
+  extra += f" {'ctl/same':>8}" if control else ""
   lines = [
     "tokens/s over compacted AR (every arm compacted but ar_plain); best = best fixed G; "
-    "auto_stage: G chosen per compaction stage",
+    "auto_stage: G chosen per compaction stage; stage/plan: over the fixed arm at the planned G "
+    "(one G planned for every stage); ctl/same: the largest fixed G's arm timed twice",
     f"{'batch':>5} {'AR tok/s':>9} {head} {'best':>4} {'auto/best':>9}{extra} {'greedy=':>7}",
   ]
   for r in results["rows"]:
     cells = " ".join(f"{r['over_ar'][a]:>8.2f}" for a in arms)
-    extra = f" {r['auto_stage_over_best_fixed']:>10.2f}" if stage else ""
+    extra = ""
+    if stage:
+      plan = r.get("auto_stage_over_planned_fixed")
+      plan = f"{plan:>10.2f}" if plan is not None else f"{'-':>10}"
+      extra = f" {r['auto_stage_over_best_fixed']:>10.2f} {plan}"
+    extra += f" {r['control_over_same']:>8.2f}" if control else ""
     greedy = r["greedy_equal"] and r.get("greedy_equal_stage", True)
     lines.append(
       f"{r['batch']:>5} {r['tokens_per_s']['ar']:>9.1f} {cells} {r['best_fixed']:>4} "

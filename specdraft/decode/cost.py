@@ -14,8 +14,8 @@ does) or the sum (the two run one after the other); `calibrate` fits both and ke
 m is the number of token rows a pass's matrix products have (rows x tokens): on a CPU, XLA
 splits a product over its threads only past some size, so the sustained FLOP rate rises by
 `thread_gain` (at most about 1 on two cores) around m = `thread_rows`; a datasheet has gain 0.
-On this machine the max form without the threads term priced rounds at 128 rows up to 28% high
-and at 16-32 rows up to 25% low (bench_cost at 57e68d9).
+Without the threads term the max form prices a CPU's small batches too dear and its middling
+ones too cheap (the sustained rate is not one number there).
 Weights and the KV cache move at rates of their own: on a CPU the weights of a small model stay
 in cache while the KV cache streams; on a GPU both are HBM (a datasheet gives one figure for
 both). The policy's decode carries its whole [L, B, C, K, D] cache through the scan over layers,
@@ -211,9 +211,17 @@ class Correction:
   Why: the choice of G compares rounds at the same rows whose expected tokens differ by 10-20%,
   so it needs their relative prices to a few percent; a global fit of the machine coefficients
   misses single points by up to 25% on a CPU and can tilt the price of a deep round against a
-  shallow one (at 64 rows here it priced G = 5 over G = 3 at 1.21x where both were timed at
-  1.48x, and auto drafted G = 5 where G = 3 was faster). The correction is for choosing G at the
-  configs it was timed on; a policy size or machine never timed (a projection) has none."""
+  shallow one. The correction is for choosing G at the configs it was timed on; a policy size or
+  machine never timed (a projection) has none.
+
+  Outliers (`from_points(outlier=)`): a timed round is one fastest-of measurement, and a lucky or
+  unlucky one moves the choice of G as much as a real price difference does. At each row count
+  with at least three SD rounds timed, the rounds at G >= 1 get a robust line in G (Theil-Sen:
+  the median of the pairwise slopes, then the median intercept), and a round further than
+  `outlier` from it (in log ratio) is taken as a timing outlier and priced by the line instead;
+  the others keep their measurement, so a real bend in G that the line does not follow survives
+  unless it is larger than `outlier`. G = 0 (an AR step or the fixed loop's G = 0 round, a
+  different program) is kept as timed."""
 
   rows: tuple[int, ...]  # ascending
   G: tuple[int, ...]  # ascending, from 0
@@ -221,10 +229,13 @@ class Correction:
   # [rows]: AR steps', where the G = 0 column is a fixed loop's round whose draft takes in the
   # emitted token (a G per stage with `Grid.stage`); a plain G = 0 reads this instead
   plain: tuple[float, ...] = ()
+  # (rows, G) of timed rounds priced by their row count's robust line instead (`outlier`), and
+  # the measured log ratios they replaced
+  replaced: tuple[tuple[int, int, float], ...] = ()
 
   @classmethod
   def from_points(
-    cls, points: list[dict], n_layers: int, *, every: str = "round"
+    cls, points: list[dict], n_layers: int, *, every: str = "round", outlier: float = 0.0
   ) -> Correction | None:
     """From a calibration record's points (each with its `predicted` seconds): for a G chosen
     every round, the adaptive loop's own rounds at every G when it timed them (`Grid.adaptive`),
@@ -232,9 +243,13 @@ class Correction:
     (G = 0) and the fixed loop's SD rounds. For a G per stage the fixed loop's G = 0 round, where
     timed (`Grid.stage`), is the G = 0 column and the AR steps are kept apart (`plain`: a
     last G = 0 stage runs as they do); for a G per round a plain step is an AR step's price, so
-    that round is left out. None when no row count has G = 0 timed."""
+    that round is left out. `outlier` > 0: timed rounds at G >= 1 further than that from their
+    row count's robust line in G are priced by the line (the class docstring); 0 keeps every
+    measurement. None when no row count has G = 0 timed."""
     if every not in AUTO_EVERY:
       raise ValueError(f"every={every!r}: expected one of {AUTO_EVERY}")
+    if not outlier >= 0.0:
+      raise ValueError(f"outlier={outlier}: expected a log ratio >= 0 (0 = keep every timed round)")
     auto = every == "round" and any(p["model"] == "auto" for p in points)
     kinds = ("auto",) if auto else ("ar", "sd")
     timed, ar = {}, {}
@@ -255,9 +270,20 @@ class Correction:
       rows = [r for r in rows if r in ar]
     if not rows or 0 not in Gs:
       return None
-    table = tuple(tuple(timed[(r, G)] for G in Gs) for r in rows)
+    table, replaced = [], []
+    for r in rows:
+      line = [timed[(r, G)] for G in Gs]
+      drafted = [i for i, G in enumerate(Gs) if G > 0]
+      if outlier > 0.0 and len(drafted) >= 3:
+        slope, icept = theil_sen([Gs[i] for i in drafted], [line[i] for i in drafted])
+        for i in drafted:
+          fitted = icept + slope * Gs[i]
+          if abs(line[i] - fitted) > outlier:
+            replaced.append((r, Gs[i], line[i]))
+            line[i] = fitted
+      table.append(tuple(line))
     plain = tuple(ar[r] for r in rows) if staged_zero else ()
-    return cls(tuple(rows), tuple(Gs), table, plain)
+    return cls(tuple(rows), tuple(Gs), tuple(table), plain, tuple(replaced))
 
   def factor(self, rows: int, G: int, *, plain: bool = False) -> float:
     """measured / predicted at (rows, G): interpolated, held flat outside the timed points.
@@ -269,6 +295,19 @@ class Correction:
     if len(self.rows) == 1:
       return float(np.exp(at_G[0]))
     return float(np.exp(np.interp(np.log(rows), np.log(self.rows), at_G)))
+
+
+def theil_sen(x, y) -> tuple[float, float]:
+  """(slope, intercept) of the Theil-Sen line through (x, y): the median of the slopes between
+  every pair of points with distinct x, then the median of y - slope * x. A minority of wild
+  points moves it little, unlike least squares."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  i, j = np.triu_indices(len(x), 1)
+  keep = x[j] != x[i]
+  if not keep.any():
+    return 0.0, float(np.median(y))
+  slope = float(np.median((y[j] - y[i])[keep] / (x[j] - x[i])[keep]))
+  return slope, float(np.median(y - slope * x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,17 +809,19 @@ def calibrate(
   min_s: float = 0.05,
   correct: bool = False,
   every: str = "round",
+  outlier: float = 0.0,
 ) -> tuple[CostModel, dict]:
   """(CostModel, record): the coefficients fitted from timed passes at `grid`, read from
   `cache_dir/<key>.json` when an earlier calibration of the same configs on the same backend
   wrote it. The record holds the points, the coefficients and each point's relative error.
   `correct`: the model carries the `Correction` of its timed rounds (`decode.cost_correction`)
-  of the loop a G chosen `every` round or stage runs (`decode.auto_every`)."""
+  of the loop a G chosen `every` round or stage runs (`decode.auto_every`), timed rounds further
+  than `outlier` from their row count's robust line priced by the line (`decode.cost_outlier`)."""
 
   def model_of(record):
     model = CostModel(Machine(**record["machine"]), pcfg, dcfg)
     if correct:
-      fix = Correction.from_points(record["points"], pcfg.n_layers, every=every)
+      fix = Correction.from_points(record["points"], pcfg.n_layers, every=every, outlier=outlier)
       model = dataclasses.replace(model, correction=fix)
     return model
 

@@ -273,6 +273,7 @@ class Context:
         cache_dir=cache_dir,
         correct=correct,
         every=every,
+        outlier=c.decode.get("cost_outlier", 0.0),
       )
       if jax.process_count() > 1:
         from jax.experimental import multihost_utils
