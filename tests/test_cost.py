@@ -448,11 +448,12 @@ def test_theil_sen_by_hand():
 
 def test_a_timing_outlier_is_priced_by_its_row_counts_line():
   """With `outlier`, a timed SD round further than that (log ratio) from the Theil-Sen line of its
-  row count's rounds at G >= 1 is priced by the line; the rest keep their measurement (a bend
-  within `outlier` survives), G = 0 is kept whatever it is, a row count with two drafted rounds
-  has no line to judge by, and the replaced measurements are recorded. The choice of G that the
-  outlier moved moves back: a G = 1 round timed 30% fast at 64 rows made G = 1 the choice where
-  its neighbours' level makes a deeper G the best."""
+  row count's rounds at G >= 1 is priced by the line; the rest keep their measurement
+  (a bend within `outlier` survives), G = 0 is kept whatever it is, and the replaced measurements
+  are recorded. An outlier at the end of four drafted rounds is found, and only it; with three
+  nothing is replaced (the line through three is the one through both ends). The choice of G that the outlier
+  moved moves back: a G = 1 round timed 30% fast at 64 rows made G = 1 the choice where its
+  neighbours' level makes a deeper G the best."""
   pcfg, dcfg = _models()
   model = cost.CostModel(cost.Machine(2e-2, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
   M = 5
@@ -474,11 +475,18 @@ def test_a_timing_outlier_is_priced_by_its_row_counts_line():
         assert k.factor(b, G) == pytest.approx(np.exp(level(b, G)), rel=1e-9)
   # near the level without the outlier (-0.02), within the threshold; the measurement was 0.35 off
   assert abs(np.log(k.factor(64, 1)) - (-0.02 + bend[1])) < 0.1
-  two = cost.Correction.from_points(
-    _round_points(model, lambda b, G: [0.0, 0.9, 0.0][G], (4,), (0, 1, 2)), pcfg.n_layers,
-    outlier=0.1,
-  )  # fmt: skip
-  assert two.replaced == () and two.factor(4, 1) == pytest.approx(np.exp(0.9), rel=1e-9)
+  end = lambda b, G: [0.0, 0.0, 0.0, 0.0, -0.31][G]  # noqa: E731
+  four = cost.Correction.from_points(
+    _round_points(model, end, (4,), range(5)), pcfg.n_layers, outlier=0.1
+  )
+  assert [(r, G) for r, G, _ in four.replaced] == [(4, 4)]
+  assert [np.log(four.factor(4, G)) for G in range(4)] == pytest.approx([0.0] * 4, abs=1e-9)
+  assert -0.2 < np.log(four.factor(4, 4)) < 0.0  # the line's, which the outlier pulls a little
+  three_end = lambda b, G: [0.0, 0.0, 0.0, -0.31][G]  # noqa: E731
+  three = cost.Correction.from_points(
+    _round_points(model, three_end, (4,), range(4)), pcfg.n_layers, outlier=0.1
+  )
+  assert three.replaced == () and three.factor(4, 3) == pytest.approx(np.exp(-0.31), rel=1e-9)
   assert cost.Correction.from_points(pts, pcfg.n_layers, outlier=0.0) == raw
   with pytest.raises(ValueError, match="outlier"):
     cost.Correction.from_points(pts, pcfg.n_layers, outlier=-1.0)

@@ -253,9 +253,10 @@ def test_compacted_ar_keeps_greedy_and_sampled_tokens(policy_setup):
 
 
 def test_every_stage_compiles_what_any_later_call_runs(policy_setup):
-  """`every_stage` (a benchmark's warm-up) runs and compiles every bucket's stage, with the same
-  output; later calls with other keys compile nothing. (Two new tokens: every row finishes in
-  the first stage, so a plain call compiles no later stage.)"""
+  """`every_stage` (a benchmark's warm-up) runs and compiles every bucket's stage and the end of a
+  rollout from every bucket (a later call whose rows all finish early ends from there), with the
+  same output; later calls with other keys compile nothing. (Two new tokens: every row finishes
+  in the first stage, so a plain call compiles no later stage and ends from the first bucket.)"""
   from specdraft.decode import engine
 
   pcfg, params, prompts, lengths, ar = policy_setup
@@ -266,14 +267,17 @@ def test_every_stage_compiles_what_any_later_call_runs(policy_setup):
   stages = engine._next_stage._cache_size()
   plain = run(jax.random.key(0), 0.0, False)
   assert engine._next_stage._cache_size() == stages
+  ends = engine._end._cache_size()
   warm = run(jax.random.key(0), 0.0, True)
-  assert engine._next_stage._cache_size() - stages == len(engine.buckets(len(lengths), 1)) - 1
+  n = len(engine.buckets(len(lengths), 1))
+  assert engine._next_stage._cache_size() - stages == n - 1
+  assert engine._end._cache_size() - ends == n - 1  # every bucket's but the first's (plain's)
   np.testing.assert_array_equal(np.asarray(warm.tokens), np.asarray(plain.tokens))
   np.testing.assert_array_equal(np.asarray(warm.tokens), np.asarray(ar.tokens)[:, :2])
-  before = engine._next_stage._cache_size()
+  before = engine._next_stage._cache_size(), engine._end._cache_size()
   for seed in range(3):
     run(jax.random.key(seed), 0.0, False)
-  assert engine._next_stage._cache_size() == before
+  assert (engine._next_stage._cache_size(), engine._end._cache_size()) == before
 
 
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])

@@ -309,7 +309,13 @@ def run_adaptive(config, workdir: str) -> dict:
         stage_model, prior, sizes, spec, capacity
       ).items()}  # fmt: skip
       row["auto_stage_over_planned_fixed"] = _over_planned(row)
-    if as_timed is not None:
+      row["round_seconds_stage"] = stage_model.round_seconds_all(
+        B, M, capacity, plain=False
+      ).tolist()
+      eq = greedy_agreement(run["ar"], run["auto_stage"], jax.random.key(100))
+      row["greedy_equal_stage"] = eq["greedy_equal"]
+      row["greedy_rows_differing_stage"] = eq["greedy_rows_differing"]
+    if as_timed is not None:  # (only with stage: sizes and spec above)
       row["stage_plan_as_timed"] = {str(k): v for k, v in engine.stage_plan(
         as_timed, prior, sizes, spec, capacity
       ).items()}  # fmt: skip
@@ -318,12 +324,6 @@ def run_adaptive(config, workdir: str) -> dict:
         rate["auto_stage_as_timed"] / rate[str(row["best_fixed"])]
       )
       row["auto_stage_over_as_timed"] = rate["auto_stage"] / rate["auto_stage_as_timed"]
-      row["round_seconds_stage"] = stage_model.round_seconds_all(
-        B, M, capacity, plain=False
-      ).tolist()
-      eq = greedy_agreement(run["ar"], run["auto_stage"], jax.random.key(100))
-      row["greedy_equal_stage"] = eq["greedy_equal"]
-      row["greedy_rows_differing_stage"] = eq["greedy_rows_differing"]
     rows.append(row)
     jax.clear_caches()  # this batch's compiles (every arm's buckets) are not needed again
     per_stage = (

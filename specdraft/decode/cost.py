@@ -216,12 +216,14 @@ class Correction:
 
   Outliers (`from_points(outlier=)`): a timed round is one fastest-of measurement, and a lucky or
   unlucky one moves the choice of G as much as a real price difference does. At each row count
-  with at least three SD rounds timed, the rounds at G >= 1 get a robust line in G (Theil-Sen:
-  the median of the pairwise slopes, then the median intercept), and a round further than
-  `outlier` from it (in log ratio) is taken as a timing outlier and priced by the line instead;
-  the others keep their measurement, so a real bend in G that the line does not follow survives
-  unless it is larger than `outlier`. G = 0 (an AR step or the fixed loop's G = 0 round, a
-  different program) is kept as timed."""
+  with at least four rounds at G >= 1 timed, they get a robust line in G (Theil-Sen: the median
+  of the pairwise slopes, then the median intercept), and a round further than `outlier` from it
+  (in log ratio) is taken as a timing outlier and priced by the line instead. The others keep
+  their measurement, so a real bend in G that the line does not follow survives unless it is
+  larger than `outlier`. With three drafted rounds the Theil-Sen line is the one through the two
+  ends whatever the middle does, so an end could never be caught and a good middle could be
+  replaced: nothing is replaced there. G = 0 (an AR step or the fixed loop's G = 0 round, a
+  different program) is always kept as timed."""
 
   rows: tuple[int, ...]  # ascending
   G: tuple[int, ...]  # ascending, from 0
@@ -243,9 +245,9 @@ class Correction:
     (G = 0) and the fixed loop's SD rounds. For a G per stage the fixed loop's G = 0 round, where
     timed (`Grid.stage`), is the G = 0 column and the AR steps are kept apart (`plain`: a
     last G = 0 stage runs as they do); for a G per round a plain step is an AR step's price, so
-    that round is left out. `outlier` > 0: timed rounds at G >= 1 further than that from their
-    row count's robust line in G are priced by the line (the class docstring); 0 keeps every
-    measurement. None when no row count has G = 0 timed."""
+    that round is left out. `outlier` > 0: a timed round at G >= 1 further than that from its
+    row count's robust line in G is priced by the line (the class docstring; four or more
+    drafted rounds); 0 keeps every measurement. None when no row count has G = 0 timed."""
     if every not in AUTO_EVERY:
       raise ValueError(f"every={every!r}: expected one of {AUTO_EVERY}")
     if not outlier >= 0.0:
@@ -272,14 +274,15 @@ class Correction:
       return None
     table, replaced = [], []
     for r in rows:
-      line = [timed[(r, G)] for G in Gs]
+      measured = [timed[(r, G)] for G in Gs]
+      line = list(measured)
       drafted = [i for i, G in enumerate(Gs) if G > 0]
-      if outlier > 0.0 and len(drafted) >= 3:
-        slope, icept = theil_sen([Gs[i] for i in drafted], [line[i] for i in drafted])
+      if outlier > 0.0 and len(drafted) >= 4:
+        slope, icept = theil_sen([Gs[i] for i in drafted], [measured[i] for i in drafted])
         for i in drafted:
           fitted = icept + slope * Gs[i]
-          if abs(line[i] - fitted) > outlier:
-            replaced.append((r, Gs[i], line[i]))
+          if abs(measured[i] - fitted) > outlier:
+            replaced.append((r, Gs[i], measured[i]))
             line[i] = fitted
       table.append(tuple(line))
     plain = tuple(ar[r] for r in rows) if staged_zero else ()

@@ -90,8 +90,9 @@ def generate(
   the host: one compiled stage per bucket, each a device loop. `window`: with `adaptive`, the
   most recent plain steps (G = 0) an EAGLE-3 draft takes in when drafting resumes
   (`speculative.Spec.window`). `every_stage`: run every bucket's stage even once all rows have
-  finished (a finished stage runs no round), so that one call compiles every stage a later call
-  with other keys may reach (benchmarks warm up with it; nothing timed then compiles).
+  finished (a finished stage runs no round), and the end of a rollout from every bucket, so that
+  one call compiles every stage and every ending a later call with other keys may reach
+  (benchmarks warm up with it; nothing timed then compiles).
   `per_stage` (with `adaptive`): G chosen once per stage on the host (`stage_plan`), each stage a
   fixed-G loop; the stages a call runs are a function of the batch, the cost model and `prior`
   alone, so a warm-up call compiles every stage a timed call with other keys runs."""
@@ -127,7 +128,9 @@ def generate(
   slots = jnp.arange(B)
   for i in range(1, len(sizes)):
     done = multihost.to_host(carry["done"])  # the one host sync of a stage
-    if done.all() and not every_stage:
+    if every_stage:  # a later call whose rows all finish in this stage ends from this bucket
+      _end(carry, out, slots, spec=spec)
+    elif done.all():
       break
     keep = jnp.asarray(np.argsort(done, kind="stable")[: sizes[i]])  # active rows first
     carry, out, slots = _next_stage(

@@ -490,7 +490,7 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: b
 
   # Roll back both caches to the verified prefix [.., c, d_1..d_a]; the draft catches up.
   new_n_B = jnp.where(active_B, n_B + a_B + 1, n_B)
-  emitted = {
+  base = {
     **carry,
     "key": keys_B,
     "pcache": pcache._replace(lengths=new_n_B),
@@ -501,14 +501,14 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: b
     "done": done_B,
   }
   if not take_in:  # the draft is left as it is: no later round reads it (only G = 0, `one_round`)
-    return {**emitted, "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=0)}
+    return {**base, "stats": _count(carry["stats"], active_B, a_B, G=G, M=M, draft_passes=0)}
   slot = (lambda n: n) if skipped_B is None else (lambda n: n - skipped_B)
   catch_up_BG1 = jnp.where(jnp.arange(G + 1)[None] <= a_B[:, None], tokens_BG1, 0)
   d_logits_BG1V, d_hidden_BG1E, dcache = models.draft_step(
     dcache._replace(lengths=slot(n_B)), models.fuse(vtaps.layers), catch_up_BG1, skipped_B
   )
   return {
-    **emitted,
+    **base,
     "dcache": dcache._replace(lengths=slot(new_n_B)),
     "q_logits": d_logits_BG1V[rows, a_B],
     "h": d_hidden_BG1E[rows, a_B],
