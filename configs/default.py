@@ -239,7 +239,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # cost_correction: the round prices carry the calibration's own timed rounds (measured over
   # fitted), not the fit alone; cost_outlier: a timed round at G >= 1 further than this (log
   # ratio) from its row count's robust line in G is taken as a timing outlier and priced by the
-  # line (0 = every timed round as measured; decode/cost.py: Correction). compact: rollouts gather their unfinished rows into the next
+  # line (0 = every timed round as measured; decode/cost.py: Correction). price_feedback (with
+  # auto_every = stage): each rollout's stages, timed at the host sync that ends each one, scale
+  # the next plans' prices at their (rows, G) by measured / priced, shrunk toward 1 by
+  # price_prior_rounds pseudo rounds, earlier evidence kept at weight price_keep
+  # (decode/cost.py: StagePrices). compact: rollouts gather their unfinished rows into the next
   # power-of-two batch once no more than that many still generate, down to min_rows
   # (decode/engine.py; AR rollouts too; each bucket is a compile).
   c.decode = ml_collections.ConfigDict(
@@ -250,6 +254,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       auto_every="round",
       cost_correction=True,
       cost_outlier=0.1,
+      price_feedback=True,
+      price_prior_rounds=4.0,
+      price_keep=0.7,
       compact=True,
       min_rows=4,
       prior_rate=0.6,
@@ -330,9 +337,12 @@ def _longtail(c: ml_collections.ConfigDict, smoke: bool) -> None:
     # rows of 128 tokens hold the longest example; at 30 tokens an example (arithmetic's: 40),
     # 16 of them take about as many examples a step as the arithmetic run's 32 rows of 72
     c.data.batch_size = 16
-  # the tail is where speculation pays: G chosen per round from the round's measured cost (issue
-  # 41); compaction (decode.compact, on by default) in every arm, AR's too
+  # the tail is where speculation pays: G chosen from the round's measured cost once per
+  # compaction stage, each stage the fixed-G loop (cheaper than the adaptive loop's rounds:
+  # docs/results.md, bench_rollout:auto), its prices corrected by the rollouts' own stage times;
+  # compaction (decode.compact, on by default) in every arm, AR's too
   c.decode.speculation = "auto"
+  c.decode.auto_every = "stage"
   task = Longtail(**c.task.longtail)
   answer = task.max_length() - task.max_prompt_length() + 1  # the longest completion, EOS included
   c.decode.max_new_tokens = max(c.decode.max_new_tokens, answer)

@@ -49,6 +49,10 @@ def invalid(field, value, valid):
   raise ValueError(f"config.{field}={value!r} is invalid: {valid}")
 
 
+def _real(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def validate(config, *, num_devices: int | None = None) -> None:
   """Checks every knob the run depends on; raises ValueError naming the field, its value and
   what is valid."""
@@ -201,6 +205,17 @@ def _validate_decoding(config) -> None:
       outlier,
       "expected a log ratio >= 0: how far a timed round may lie from its row count's robust line "
       "in G before the line prices it (0 = every timed round as measured)",
+    )
+  feedback = dec.get("price_feedback", False)
+  if not isinstance(feedback, bool):
+    invalid("decode.price_feedback", feedback, "expected True or False")
+  pseudo, keep = dec.get("price_prior_rounds", 4.0), dec.get("price_keep", 0.7)
+  if not (_real(pseudo) and pseudo >= 0 and _real(keep) and 0.0 <= keep <= 1.0):
+    invalid(
+      "decode.price_prior_rounds/price_keep",
+      (pseudo, keep),
+      "need price_prior_rounds >= 0 (pseudo rounds at the planned price) and price_keep in "
+      "[0, 1] (the weight of earlier stages' evidence at each new observation)",
     )
   # Sampling temperatures: RL rollouts, draft distillation and the SD-vs-AR report.
   for field, value in (

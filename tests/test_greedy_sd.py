@@ -480,6 +480,56 @@ def test_g_per_stage_is_the_fixed_loop_at_the_planned_g(setup):
     assert jax.device_get(gen.stats)["num_draft_counts"].tolist()[G] == int(gen.stats["rounds"])
 
 
+def test_stage_timings_and_prices_learned_from_them(setup):
+  """engine.generate(timings=): one record per stage run, in order, with its bucket, planned G,
+  rounds (summing to the rollout's), wall seconds, whether the call compiled (a second call with
+  other keys compiles nothing) and the price its plan paid (the prefill's with the first stage).
+  Fed to StagePrices, a stage that cost far more than its price moves the next plan off its G;
+  the output stays the fixed loop's at whatever G is planned (greedy: AR's tokens)."""
+  from specdraft.decode import cost as cost_lib
+  from specdraft.decode import engine
+
+  pcfg, dcfg, params, dparams, prompts, lengths, ar, _ = setup
+  cost, prior = _priced_cost(pcfg, dcfg, {None: [1, 1.5, 2, 10]}), _prior(3)
+  spec = speculative.Spec(pcfg, dcfg, N, 3, True, None)
+  run = lambda key, **kw: engine.generate(  # noqa: E731
+    params, dparams, pcfg, dcfg, prompts, lengths, key, max_new_tokens=N, temperature=1.0,
+    num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior, compact=True,
+    min_rows=4, **kw,
+  )  # fmt: skip
+  run(jax.random.key(1))  # compiles every stage this plan runs ...
+  timings = []
+  gen = run(jax.random.key(2), timings=timings)  # ... so this call compiles none
+  st = jax.device_get(gen.stats)
+  assert [r["rows"] for r in timings] == [12, 8, 4][: len(timings)] and len(timings) >= 2
+  assert all(r["G"] == 2 and not r["compiled"] and r["seconds"] > 0 for r in timings), timings
+  assert sum(r["rounds"] for r in timings) == int(st["rounds"])
+  capacity = prompts.shape[1] + N + 3 + 2
+  first = timings[0]
+  prefill = cost.prefill_seconds(12, prompts.shape[1], capacity)
+  assert first["priced"] == pytest.approx(first["rounds"] * 2.0 + prefill)
+  assert timings[1]["priced"] == pytest.approx(timings[1]["rounds"] * 2.0)
+  # the 8-row stage took three times its price: the next plan drafts G = 1 there, not 2
+  plan = lambda prices: engine.stage_plan(cost, prior, [12, 8, 4], spec, 99, prices)  # noqa: E731
+  slow = dict(timings[1], seconds=240.0, rounds=40, priced=80.0)
+  prices = cost_lib.StagePrices(prior_rounds=4.0, keep=0.7).updated([slow])
+  assert plan(None) == {12: 2, 8: 2, 4: 2}
+  assert plan(prices) == {12: 2, 8: 1, 4: 2}
+  greedy = engine.generate(
+    params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
+    temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
+    compact=True, min_rows=4, prices=prices,
+  )  # fmt: skip
+  np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(ar.tokens))
+  # AR through the engine records its stages too (G = 0, no plan, no price)
+  ar_times = []
+  engine.generate(
+    params, None, pcfg, None, prompts, lengths, jax.random.key(2), max_new_tokens=N,
+    temperature=1.0, num_draft=0, compact=True, min_rows=4, timings=ar_times,
+  )  # fmt: skip
+  assert ar_times and all(r["G"] == 0 and r["priced"] is None for r in ar_times)
+
+
 def _scheduled(setup, schedule, *, window: int, record=None):
   """Greedy rounds at the G of `schedule` in turn (repeated until every row is done) on an
   adaptive carry, so G = 0 rounds are plain policy steps that leave an EAGLE-3 draft behind.

@@ -216,7 +216,9 @@ def test_a_longtail_run_with_auto_speculation_end_to_end(tmp_path, monkeypatch):
   distillation, co-trained RL and the final report; the machine's timing is replaced by a known
   cost model (calibration's timed passes are synthetic, the fit is real): every RL step's log
   carries the G chosen each round, the rows still generating each round and the acceptance per
-  drafted position, and the report's as-run comparison is greedy-exact with rounds at each G."""
+  drafted position, and (G per stage) each stage's rows, G, rounds and seconds, from which the
+  plan's price factors are learned; the report's as-run comparison is greedy-exact with rounds
+  at each G."""
   from specdraft.decode import cost
   from specdraft.train import loop
 
@@ -257,7 +259,17 @@ def test_a_longtail_run_with_auto_speculation_end_to_end(tmp_path, monkeypatch):
     assert len(trace) == len(active) > 0 and all(0 <= g <= M for g in trace)
     assert sum(s["num_draft_counts"]) == len(trace) and len(s["accept_per_position"]) == M
     assert active == sorted(active, reverse=True)  # rows only ever finish
+    # G per stage (the longtail config's auto_every): each stage's record, its G the stage's
+    times, at = s["stage_times"], 0
+    for r in times:  # the stages split the rounds in order
+      assert set(trace[at : at + r["rounds"]]) <= {r["G"]}, (times, trace)
+      at += r["rounds"]
+    assert at == len(trace)
+  # the stages ran compiled programs from the second step on, so their times were learned from
+  assert any(not r["compiled"] for s in steps[1:] for r in s["stage_times"])
+  assert steps[-1]["stage_price_factors"], steps[-1]
   as_run = summary["rollout"]["as_run"]
+  assert as_run["engine"]["per_stage"] and c.decode.auto_every == "stage"
   assert as_run["engine"]["adaptive"] and as_run["engine"]["compact"]
   assert as_run["greedy_equal"] and sum(as_run["num_draft_counts"]) > 0
   assert summary["rollout"]["greedy_equal"]

@@ -356,6 +356,11 @@ def run_adaptive(config, workdir: str) -> dict:
     },
     "cost_model": record,
     "cost_correction": dataclasses.asdict(model.correction) if model.correction else None,
+    # the stage arm's correction (the fixed loop's rounds; with `replaced`, the timed rounds its
+    # outlier rule priced by their row count's line)
+    "cost_correction_stage": (
+      dataclasses.asdict(stage_model.correction) if stage and stage_model.correction else None
+    ),
     "rows": rows,
     "all_batches": {
       "auto_over_ar_min": min(r["auto_over_ar"] for r in rows),

@@ -302,15 +302,16 @@ class Correction:
 
 def theil_sen(x, y) -> tuple[float, float]:
   """(slope, intercept) of the Theil-Sen line through (x, y): the median of the slopes between
-  every pair of points with distinct x, then the median of y - slope * x. A minority of wild
-  points moves it little, unlike least squares."""
+  every pair of points with distinct x, then the median of y - slope * x (scipy's
+  `theilslopes`, method "joint"). A minority of wild points moves it little, unlike least
+  squares. All x equal: slope 0 through the median of y."""
+  from scipy.stats import theilslopes
+
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-  i, j = np.triu_indices(len(x), 1)
-  keep = x[j] != x[i]
-  if not keep.any():
+  if np.all(x == x[0]):
     return 0.0, float(np.median(y))
-  slope = float(np.median((y[j] - y[i])[keep] / (x[j] - x[i])[keep]))
-  return slope, float(np.median(y - slope * x))
+  fit = theilslopes(y, x, method="joint")
+  return float(fit.slope), float(fit.intercept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +334,12 @@ class CostModel:
   def ar_step_seconds(self, rows: int, capacity: int) -> float:
     own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     return self.policy_seconds(rows, 1, capacity) + own
+
+  def prefill_seconds(self, rows: int, prompt_len: int, capacity: int) -> float:
+    """A rollout's prefill: one policy pass over the prompts and the draft's over their taps
+    (none without a draft), what the first stage of a rollout runs before its rounds."""
+    t = self.policy_seconds(rows, prompt_len, capacity)
+    return t + (self.draft_seconds(rows, prompt_len, capacity) if self.dcfg is not None else 0.0)
 
   def round_seconds(self, rows: int, G: int, capacity: int, *, plain: bool = True) -> float:
     """A round at G. G = 0 under adaptive G is a plain step (`plain`); in a loop fixed at G = 0
@@ -396,6 +403,65 @@ class Acceptance(NamedTuple):
 
   def rates(self) -> np.ndarray:
     return np.where(self.reached > 0, self.accepted / np.maximum(self.reached, 1e-9), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePrices:
+  """What the rollouts' own stages cost against the price their plan paid for them
+  (decode.price_feedback): the plan of a G chosen per stage (`engine.stage_plan`) multiplies the
+  corrected model's price of a round at (rows, G) by `factor(rows, G)`.
+
+  Why: the calibration times rounds of random prompts with every row riding to the end; a
+  rollout's rounds (real prompts, rows finishing, the cache at other lengths) can cost another
+  amount, and unevenly across G, which is what the choice of G turns on. Every stage of a
+  rollout ends at a host sync, so its wall time is known for free: each stage that ran rounds
+  and compiled nothing adds (measured seconds, priced seconds, rounds) to its (rows, G, plain)
+  entry, earlier evidence kept at weight `keep` per observation. The factor is the pooled ratio
+  measured / priced, shrunk toward 1 by `prior_rounds` pseudo rounds at the priced seconds: a
+  stage of a few rounds moves it a little, a long record a lot. Only the G a plan ran are
+  observed: a G priced too cheaply is found out and dropped; one priced too dearly stays
+  unplanned until its neighbours' evidence makes it the cheapest (greedy, no exploration).
+  `plain` separates a G = 0 stage run as plain steps (the draft left behind) from one whose
+  draft takes in the emitted token. Host values only; hashable (the plan is memoised on it)."""
+
+  prior_rounds: float = 4.0
+  keep: float = 0.7
+  # ((rows, G, plain), (measured seconds, priced seconds, rounds)) sorted by key
+  table: tuple = ()
+
+  def factor(self, rows: int, G: int, *, plain: bool = False) -> float:
+    """measured / priced at (rows, G), shrunk toward 1; 1 where no stage was observed."""
+    entry = dict(self.table).get((int(rows), int(G), bool(plain and G == 0)))
+    if entry is None:
+      return 1.0
+    measured, priced, rounds = entry
+    unit = priced / max(rounds, 1e-9)  # the priced seconds of one round
+    pseudo = self.prior_rounds * unit
+    return float((measured + pseudo) / (priced + pseudo))
+
+  def factors(self, rows: int, num_draft_max: int, *, plain: bool = False) -> np.ndarray:
+    """[M + 1] factors at G = 0..M (`plain`: G = 0 as plain steps)."""
+    return np.asarray(
+      [self.factor(rows, G, plain=plain) for G in range(num_draft_max + 1)], np.float64
+    )
+
+  def updated(self, records: list[dict]) -> StagePrices:
+    """Folds in a rollout's stage records (`engine.generate(timings=)`): those with a price, at
+    least one round and no compile; other entries are left as they were."""
+    table = dict(self.table)
+    for r in records:
+      if r.get("priced") is None or r.get("compiled") or r.get("rounds", 0) < 1:
+        continue
+      key = (int(r["rows"]), int(r["G"]), bool(r.get("plain", False) and r["G"] == 0))
+      old = table.get(key, (0.0, 0.0, 0.0))
+      obs = (float(r["seconds"]), float(r["priced"]), float(r["rounds"]))
+      table[key] = tuple(self.keep * o + x for o, x in zip(old, obs))
+    return dataclasses.replace(self, table=tuple(sorted(table.items())))
+
+  def summary(self) -> dict:
+    """{"rows:G[p]": factor} of every observed entry (p: a plain G = 0), for metrics.jsonl."""
+    tag = lambda k: f"{k[0]}:{k[1]}" + ("p" if k[2] else "")  # noqa: E731
+    return {tag(k): round(self.factor(k[0], k[1], plain=k[2]), 4) for k, _ in self.table}
 
 
 def expected_tokens(rates_M, G: int) -> float:

@@ -13,13 +13,16 @@ from the predicted seconds of a round at this stage's bucket and the running acc
 (`speculative.choose_num_draft`). With `per_stage` too (decode.auto_every = stage), the host picks
 one G per stage instead, from the same prices and the acceptance carried in (the prior, not this
 rollout's own counts), before the rollout starts, and each stage runs the loop of a fixed G (the
-cheaper program: no choice, no switch between round kinds, no pending plain steps). `num_draft =
-0` decodes autoregressively (no draft).
+cheaper program: no choice, no switch between round kinds, no pending plain steps); the prices it
+plans with can carry what earlier rollouts' stages cost (`decode.cost.StagePrices`), each stage's
+wall time being measured at the host sync that ends it (`timings`). `num_draft = 0` decodes
+autoregressively (no draft).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from typing import NamedTuple
 
 import jax
@@ -29,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specdraft.decode import autoregressive, speculative
-from specdraft.decode.cost import Acceptance, CostModel
+from specdraft.decode.cost import Acceptance, CostModel, StagePrices
 from specdraft.decode.rejection import rejection_sample
 from specdraft.decode.sampling import Generation, Sampling
 from specdraft.model import policy as pol
@@ -83,6 +86,8 @@ def generate(
   rows: Rows | None = None,
   sampler=rejection_sample,
   per_stage: bool = False,
+  prices: StagePrices | None = None,
+  timings: list | None = None,
 ) -> Generation:
   """SD (`num_draft` >= 1: G, or G_max when `adaptive`) or AR (`num_draft` = 0) generation of the
   same output as `speculative.generate` / `autoregressive.generate`, with finished rows compacted
@@ -94,11 +99,19 @@ def generate(
   one call compiles every stage and every ending a later call with other keys may reach
   (benchmarks warm up with it; nothing timed then compiles).
   `per_stage` (with `adaptive`): G chosen once per stage on the host (`stage_plan`), each stage a
-  fixed-G loop; the stages a call runs are a function of the batch, the cost model and `prior`
-  alone, so a warm-up call compiles every stage a timed call with other keys runs."""
+  fixed-G loop; the stages a call runs are a function of the batch, the cost model, `prior` and
+  `prices` alone, so a warm-up call compiles every stage a timed call with other keys runs.
+  `prices` (with `per_stage`): what earlier rollouts' stages cost against their price, scaling
+  the plan's prices (`decode.cost.StagePrices`). `timings`: a list to which each stage run
+  appends {rows, G, plain, rounds, seconds, compiled, priced}: its wall time from the host sync
+  before it to the one ending it (one more sync, after the last stage, when asked), its rounds,
+  whether the call compiled its program, and with `per_stage` the seconds its plan priced it at
+  (the rounds at the planned price, the prefill's model price with the first stage); G is None
+  for rounds of G chosen per round."""
   B = int(prompt_BS.shape[0])
   N = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
+  staged, capacity = False, None
   if num_draft == 0:
     spec = autoregressive.Spec(pcfg, N, sm)
     choice_at = lambda b: None
@@ -118,30 +131,83 @@ def generate(
 
   sizes = buckets(B, max(min_rows, rows.min_rows if rows else 1)) if compact else [B]
   spec_at = lambda b: spec
+  plan, plain = None, set()
   if num_draft and staged:
-    plan = stage_plan(cost, prior, sizes, spec, capacity)
+    plan = stage_plan(cost, prior, sizes, spec, capacity, prices)
     plain = plain_stages(plan)
     spec_at = lambda b: spec._replace(stage_G=plan[b], stage_plain=b in plain)
+  clock = _StageClock(timings, sizes, plan, plain, num_draft, spec, cost, capacity)
   stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)
   args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
-  carry, out = _start(*args, spec=spec_at(B), sampler=sampler)
+  carry, out = clock.call(_start, *args, spec=spec_at(B), sampler=sampler)
   slots = jnp.arange(B)
   for i in range(1, len(sizes)):
     done = multihost.to_host(carry["done"])  # the one host sync of a stage
+    clock.stage_ended(carry, i - 1, int(prompt_BS.shape[1]))
     if every_stage:  # a later call whose rows all finish in this stage ends from this bucket
       _end(carry, out, slots, spec=spec)
     elif done.all():
       break
     keep = jnp.asarray(np.argsort(done, kind="stable")[: sizes[i]])  # active rows first
-    carry, out, slots = _next_stage(
-      params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
+    carry, out, slots = clock.call(
+      _next_stage, params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
       spec=spec_at(sizes[i]), sampler=sampler, rows=rows,
     )  # fmt: skip
+  else:  # the last stage's end (its counters read back: one more sync, only when timed)
+    clock.stage_ended(carry, len(sizes) - 1, int(prompt_BS.shape[1]))
   return _end(carry, out, slots, spec=spec)
 
 
+class _StageClock:
+  """`generate`'s stage timings (a no-op without a `timings` list): the wall time from the host
+  sync before a stage to the one that ends it, its rounds (from the carried counters), whether
+  its call compiled, and its planned price."""
+
+  def __init__(self, timings, sizes, plan, plain, num_draft, spec, cost, capacity):
+    self.on = timings is not None
+    self.records, self.sizes, self.plan, self.plain = timings, sizes, plan, plain
+    self.num_draft, self.spec, self.cost = num_draft, spec, cost
+    self.capacity, self.rounds, self.compiled, self.t0 = capacity, 0, False, 0.0
+    self.ended = set()  # the stages recorded (one record each)
+
+  def call(self, fn, *args, **kw):
+    if not self.on:
+      return fn(*args, **kw)
+    before, self.t0 = fn._cache_size(), self.t0 or time.perf_counter()
+    out = fn(*args, **kw)
+    self.compiled = fn._cache_size() > before  # compiled in this call: its time is not a stage's
+    return out
+
+  def stage_ended(self, carry, i: int, prompt_len: int) -> None:
+    if not self.on or i in self.ended:
+      return
+    self.ended.add(i)
+    st = carry["stats"]
+    total = int(multihost.to_host(st["rounds"] if "rounds" in st else st["policy_passes"] - 1))
+    now, b = time.perf_counter(), self.sizes[i]
+    adaptive = bool(getattr(self.spec, "adaptive", False))  # G chosen per round: no one G
+    G = self.plan[b] if self.plan is not None else None if adaptive else self.num_draft
+    rec = dict(
+      rows=b, G=G, plain=b in self.plain, rounds=total - self.rounds, seconds=now - self.t0,
+      compiled=self.compiled, priced=None,
+    )  # fmt: skip
+    if self.plan is not None:  # the model's price, before any earlier stages' factor
+      drafts_later = any(g > 0 for s, g in self.plan.items() if s < b)
+      rs = self.cost.round_seconds_all(b, self.num_draft, self.capacity, plain=not drafts_later)
+      rec["priced"] = rec["rounds"] * float(rs[G]) + (
+        self.cost.prefill_seconds(b, prompt_len, self.capacity) if i == 0 else 0.0
+      )
+    self.records.append(rec)
+    self.rounds, self.t0 = total, now
+
+
 def stage_plan(
-  cost: CostModel, prior: Acceptance, sizes, spec: speculative.Spec, capacity: int
+  cost: CostModel,
+  prior: Acceptance,
+  sizes,
+  spec: speculative.Spec,
+  capacity: int,
+  prices: StagePrices | None = None,
 ) -> dict[int, int]:
   """{bucket rows: G} of a rollout whose G is chosen per stage (decode.auto_every = stage): at
   each bucket the G in 0..num_draft with the most expected tokens per second, from the cost
@@ -149,22 +215,29 @@ def stage_plan(
   (`speculative.choose_num_draft` on no counts of this rollout). G = 0 is priced as it runs: a
   policy step whose emitted token the draft takes in, so that it drafts in step at a later
   stage, or, where no smaller bucket drafts (planned from the smallest up), a plain step
-  (`plain_stages`: the draft left behind). Remembered per (cost model, prior, buckets): a
-  rollout of a millisecond-scale batch pays nothing for it."""
+  (`plain_stages`: the draft left behind). `prices`: each round's price scaled by what earlier
+  rollouts' stages at that (rows, G) cost against it (`decode.cost.StagePrices`). Remembered per
+  (cost model, prior, buckets, prices): a rollout of a millisecond-scale batch pays nothing for
+  it."""
   if cost is None:
     raise ValueError("adaptive speculation needs a cost model (decode.cost.calibrate)")
   counts = tuple(tuple(np.asarray(x, np.float64).tolist()) for x in prior)
-  return dict(_stage_plan(cost, counts, tuple(sizes), spec._replace(adaptive=True), capacity))
+  spec = spec._replace(adaptive=True)
+  return dict(_stage_plan(cost, counts, tuple(sizes), spec, capacity, prices))
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_plan(cost: CostModel, counts: tuple, sizes: tuple, spec, capacity: int) -> tuple:
+def _stage_plan(
+  cost: CostModel, counts: tuple, sizes: tuple, spec, capacity: int, prices=None
+) -> tuple:
   arrays = tuple(np.asarray(x) for x in counts)
   prior = Acceptance(*arrays) if len(arrays) == len(Acceptance._fields) else arrays
   no_counts = {k: np.zeros((spec.num_draft,), np.int32) for k in ("accept_counts", "reach_counts")}
   plan, drafts_later = [], False
   for b in sorted(sizes):  # the smallest first: whether a later stage drafts decides G = 0's price
     rs = cost.round_seconds_all(b, spec.num_draft, capacity, plain=not drafts_later)
+    if prices is not None:
+      rs = rs * prices.factors(b, spec.num_draft, plain=not drafts_later).astype(rs.dtype)
     choice = speculative.Choice.of(spec, rs, prior, xp=np)  # on the host: numpy, no dispatch
     G = int(speculative.choose_num_draft(no_counts, choice, xp=np))
     plan.append((b, G))

@@ -97,7 +97,8 @@ def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = Fal
   as_run=False: one loop per arm, every row riding in every pass, SD at the fixed G.
   as_run=True: both arms decode as the run's rollouts do, through `decode.engine` (finished rows
   compacted away in both arms when `decode.compact`; with `decode.speculation = auto`, G chosen
-  per round from the run's cost model and the acceptance its rollouts carried)."""
+  per round or per stage from the run's cost model, the acceptance its rollouts carried and,
+  per stage with `decode.price_feedback`, what their stages cost)."""
   c = ctx.config
   prompts_BS, lengths_B = held_out_prompts(ctx)
   placed = ctx.for_decoding({"policy": params, "draft": dparams})  # as the rollouts read them
@@ -110,6 +111,8 @@ def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = Fal
       cost=ctx.cost_model({"policy": params, "draft": dparams}) if auto else None,
       prior=ctx.acceptance if auto else None,
     )
+    if auto and engine_kw["per_stage"] and c.decode.get("price_feedback", False):
+      engine_kw["prices"] = ctx.stage_prices  # what the run's rollouts' stages cost
   return compare_rollouts(
     params,
     dparams,

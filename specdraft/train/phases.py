@@ -117,6 +117,12 @@ class Context:
     # start from (updated after every rollout) and the cost model of a round (calibrated once).
     dec = config.decode
     self.acceptance = cost.Acceptance.prior(dec.num_draft, dec.prior_rate, dec.prior_weight)
+    # with G chosen per stage: what the rollouts' stages cost against their plan's prices
+    # (decode.price_feedback; updated after every rollout, read by the next plan)
+    self.stage_prices = cost.StagePrices(
+      dec.get("price_prior_rounds", 4.0), dec.get("price_keep", 0.7)
+    )
+    self.stage_times = []  # the last rollout's stage records (metrics.jsonl)
     self._cost_model = None
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
@@ -591,10 +597,13 @@ def _rollout_step(ctx: Context):
     gen = gen._replace(tokens=jax.lax.with_sharding_constraint(gen.tokens, ctx.rows_sh))
     return gen, join_prompt_completion(prompts_BS, lengths_B, gen)
 
+  feedback = auto and kw["per_stage"] and c.decode.get("price_feedback", False)
+
   def rollout_step(trainable, key_data, prompts_BS, lengths_B):
     key_data, sub = split(key_data)
     trainable = ctx.for_decoding(trainable)
     cost = ctx.cost_model(trainable) if auto else None
+    timings = [] if feedback else None
     gen = engine.generate(
       trainable["policy"],
       trainable["draft"] if sd else None,
@@ -605,15 +614,33 @@ def _rollout_step(ctx: Context):
       sub,
       cost=cost,
       prior=ctx.acceptance,
+      prices=ctx.stage_prices if feedback else None,
+      timings=timings,
       **kw,
     )
     if auto:  # the next rollout starts from this one's acceptance (geometric forgetting)
       stats = {k: multihost.to_host(gen.stats[k]) for k in ("accept_counts", "reach_counts")}
       ctx.acceptance = ctx.acceptance.updated(stats, keep=c.decode.prior_keep)
+    if feedback:  # ... and plans with what this one's stages cost
+      ctx.stage_times = _agreed_stage_times(timings)
+      ctx.stage_prices = ctx.stage_prices.updated(ctx.stage_times)
     gen, batch = join(gen, prompts_BS, lengths_B)
     return gen, batch, key_data
 
   return rollout_step
+
+
+def _agreed_stage_times(timings: list[dict]) -> list[dict]:
+  """A rollout's stage records as process 0 timed them, in every process (each process times
+  its own wall clock; every process must plan the same stages, so all take one's). The stages
+  run are the same in every process (compaction follows the global `done`)."""
+  if jax.process_count() == 1 or not timings:
+    return timings
+  from jax.experimental import multihost_utils
+
+  seconds = np.asarray([[r["seconds"], float(r["compiled"])] for r in timings], np.float64)
+  seconds = multihost_utils.broadcast_one_to_all(seconds)
+  return [dict(r, seconds=float(s), compiled=bool(k)) for r, (s, k) in zip(timings, seconds)]
 
 
 def _rl_iteration(ctx: Context, stream, rollout_step, train_step, state, pb):
@@ -671,6 +698,12 @@ def _rollout_metrics(ctx: Context, gen, rewards, formats) -> dict:
   if "num_draft_counts" in st:  # SD: the G each round drafted (decode.speculation = auto)
     m["num_draft_counts"] = st["num_draft_counts"].tolist()
     m["num_draft_trace"] = st["num_draft_trace"][:rounds].tolist()
+  if ctx.stage_times:  # G per stage with price feedback: what each stage cost
+    m["stage_times"] = [
+      {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
+      for r in ctx.stage_times
+    ]
+    m["stage_price_factors"] = ctx.stage_prices.summary()
   if hasattr(ctx.task, "format_of"):
     m["format_share"] = {f: formats.count(f) / len(formats) for f in sorted(set(formats))}
   return m
