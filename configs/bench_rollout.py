@@ -143,9 +143,14 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
     # time the fixed arm at the largest G twice, as two arms: the ratio of one program to itself
     # (results: control_over_same), the resolution of every ratio of two arms on this host
     control=True,
-    # and a second stage arm planned from every timed round as measured (decode.cost_outlier
-    # = 0), beside the one the config's cost_outlier plans
-    as_timed_arm=True,
+    # a second stage arm planned from every timed round as measured (decode.cost_outlier = 0),
+    # beside the one the config's cost_outlier plans (off: it planned as the outlier arm did)
+    as_timed_arm=False,
+    # and a stage arm whose prices carry what its own stages cost (decode.price_feedback;
+    # decode/cost.py: StagePrices): before timing, this many untimed rollouts of the stage plan
+    # at each batch (keys of their own), each folding its stages' times into the prices the
+    # next plans with, as an RL run's rollouts do; 0: no such arm. Fixed before the first run.
+    learn_rollouts=8,
   )
   # the choice of G prices a round by the cost model corrected to the calibration's own timed
   # rounds of the adaptive loop at every G (decode/cost.py: Correction); False: the fit alone
@@ -156,7 +161,7 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
   if smoke:
     c.bench.update(
       batch_sizes=(1, 4), num_drafts=(1, 2), repeats=1, min_seconds=0.0, max_new_tokens=16,
-      min_rows=1,
+      min_rows=1, learn_rollouts=2,
       grid_rows=(1, 4), grid_round_rows=(1, 4),
     )  # fmt: skip
   if gpu and not smoke:
@@ -215,6 +220,36 @@ def adaptive_config(smoke: bool = False, task: str = "arithmetic", gpu: bool = F
       fixed="2026-12-07",
       needs="bench.auto_stage",
       what="greedy auto-G-per-stage SD tokens == greedy AR tokens on every row, every batch size",
+    ),
+    # Fixed 2026-12-07, before the first run with the learned-prices arm: the same targets for G
+    # per stage planned with the prices its bench.learn_rollouts rollouts learned (the goals above
+    # keep measuring the calibration's plan)
+    auto_stage_learned_never_slower=dict(
+      metric="all_batches.auto_stage_learned_over_ar_min",
+      op=">=",
+      target=0.98,
+      fixed="2026-12-07",
+      needs="bench.learn_rollouts",
+      what="auto G per stage, prices learned from its own stages, tokens/s over AR tokens/s, "
+      "lowest over batch sizes (both compacted)",
+    ),
+    auto_stage_learned_near_best_fixed=dict(
+      metric="all_batches.auto_stage_learned_over_best_fixed_min",
+      op=">=",
+      target=0.95,
+      fixed="2026-12-07",
+      needs="bench.learn_rollouts",
+      what="auto G per stage, prices learned from its own stages, tokens/s over the best fixed "
+      "G's (1..5), lowest over batch sizes",
+    ),
+    greedy_equal_stage_learned=dict(
+      metric="all_batches.greedy_equal_stage_learned",
+      op="==",
+      target=True,
+      fixed="2026-12-07",
+      needs="bench.learn_rollouts",
+      what="greedy auto-G-per-stage (learned prices) SD tokens == greedy AR tokens on every row, "
+      "every batch size",
     ),
   )
   return c

@@ -265,9 +265,17 @@ def rollout_auto(r: dict) -> str:
   c = r["config"]
   Gs = [str(g) for g in c["num_drafts"]]
   header = ["batch", "AR tok/s", *[f"G={g}" for g in Gs], "auto", "auto's G (rounds at 0..)"]
-  header += ["best G", "auto / best", "greedy equal"]
-  rows = [
-    [
+  header += ["best G", "auto / best"]
+  stage, learned = bool(c.get("auto_stage")), bool(c.get("learn_rollouts"))
+  plan = lambda p: " ".join(f"{k}:{v}" for k, v in p.items())  # noqa: E731
+  if stage:
+    header += ["per stage", "per stage / best", "its G by bucket"]
+  if learned:
+    header += ["learned", "learned / best", "its G by bucket"]
+  header += ["greedy equal"]
+  rows = []
+  for x in r["rows"]:
+    row = [
       str(x["batch"]),
       _f(x["tokens_per_s"]["ar"], 0),
       *[_f(x["over_ar"][g]) for g in Gs],
@@ -275,10 +283,15 @@ def rollout_auto(r: dict) -> str:
       " ".join(str(n) for n in x["auto_num_draft_counts"]),
       str(x["best_fixed"]),
       _f(x["auto_over_best_fixed"]),
-      _yes(x["greedy_equal"]),
     ]
-    for x in r["rows"]
-  ]
+    if stage:
+      row += [_f(x["auto_stage_over_ar"]), _f(x["auto_stage_over_best_fixed"])]
+      row += [plan(x["stage_plan"])]
+    if learned:
+      row += [_f(x["auto_stage_learned_over_ar"]), _f(x["auto_stage_learned_over_best_fixed"])]
+      row += [plan(x["stage_plan_learned"])]
+    greedy = x["greedy_equal"] and x.get("greedy_equal_stage", True)
+    rows.append(row + [_yes(greedy and x.get("greedy_equal_stage_learned", True))])
   lead = (
     "### Speculation per round: auto G against AR and every fixed G\n\n"
     f"Tokens per second over compacted AR ({c['policy_layers']}-layer policy, width "
@@ -286,6 +299,18 @@ def rollout_auto(r: dict) -> str:
     f"{c['repeats']} repeats side by side, finished rows compacted in every arm down to "
     f"{c['min_rows']} rows). Auto picks G in 0..{max(c['num_drafts'])} before every round from "
     "the cost model calibrated on this machine at the start of the run and the running acceptance."
+    + (
+      " Per stage: G chosen once per compaction stage before the rollout, each stage the fixed-G "
+      "loop."
+      if stage
+      else ""
+    )
+    + (
+      f" Learned: per stage, its prices scaled by what its own stages cost over "
+      f"{c['learn_rollouts']} untimed rollouts before timing (decode.price_feedback)."
+      if learned
+      else ""
+    )
   )
   return lead + "\n\n" + _table(header, rows)
 

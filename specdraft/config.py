@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import ml_collections
@@ -50,7 +51,8 @@ def invalid(field, value, valid):
 
 
 def _real(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
+  """A finite int or float (not a bool)."""
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def validate(config, *, num_devices: int | None = None) -> None:

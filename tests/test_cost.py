@@ -311,6 +311,7 @@ def test_buckets_by_hand():
     ("cost_outlier", float("nan"), "decode.cost_outlier"),
     ("price_keep", 1.5, "decode.price_prior_rounds/price_keep"),
     ("price_prior_rounds", -1.0, "decode.price_prior_rounds/price_keep"),
+    ("price_prior_rounds", float("inf"), "decode.price_prior_rounds/price_keep"),
   ],
 )
 def test_decoding_settings_are_validated_before_any_work(field, value, match):
@@ -596,36 +597,36 @@ def test_the_fixed_loop_is_timed_as_a_stage_runs_it():
 
 def test_stage_prices_by_hand():
   """StagePrices: the pooled measured / priced seconds of a (rows, G) shrunk toward 1 by
-  prior_rounds pseudo rounds at the priced seconds of a round, earlier evidence kept at `keep`
-  per observation; stages that compiled, ran no round or carry no price are left out; a plain
-  G = 0 stage is its own entry."""
+  prior_rounds pseudo rounds at the priced seconds of a round; every entry's evidence is kept at
+  `keep` per rollout (so one no plan runs again fades back to 1); stages that compiled, ran no
+  round or carry no price are left out; a plain G = 0 stage is its own entry."""
   p = cost.StagePrices(prior_rounds=4.0, keep=0.5)
   assert p.factor(8, 2) == 1.0 and p.summary() == {}
-  rec = dict(rows=8, G=2, plain=False, rounds=4, seconds=8.0, priced=4.0, compiled=False)
+  # 4 rounds priced at 0.5 s each (2 s), measured 6 s: (6 + 4 * 0.5) / (2 + 4 * 0.5)
+  rec = dict(rows=8, G=2, plain=False, rounds=4, seconds=6.0, priced=2.0, compiled=False)
   q = p.updated([rec])
-  assert q.factor(8, 2) == pytest.approx((8 + 4) / (4 + 4))  # one round priced at 1 s
+  assert q.factor(8, 2) == pytest.approx((6 + 2) / (2 + 2))
   assert q.factor(8, 1) == 1.0 and q.factor(4, 2) == 1.0  # only what ran is observed
-  # a second observation at the same (rows, G): the first kept at weight 0.5
-  r = q.updated([dict(rec, seconds=4.0)])
-  measured, priced = 0.5 * 8 + 4, 0.5 * 4 + 4
-  assert r.factor(8, 2) == pytest.approx((measured + 4) / (priced + 4))
-  # ignored: a compile inside the stage, no round, no price (G chosen per round)
+  # a second rollout at the same (rows, G): the first's evidence kept at weight 0.5
+  r = q.updated([dict(rec, seconds=3.0)])
+  measured, priced, rounds = 0.5 * 6 + 3, 0.5 * 2 + 2, 0.5 * 4 + 4
+  unit = priced / rounds
+  assert r.factor(8, 2) == pytest.approx((measured + 4 * unit) / (priced + 4 * unit))
+  # rollouts that do not run it: its evidence fades, the factor returns toward 1
+  faded = q
+  for _ in range(3):
+    faded = faded.updated([])
+  assert 1.0 < faded.factor(8, 2) < q.factor(8, 2)
+  m, pr = 6 * 0.5**3, 2 * 0.5**3
+  assert faded.factor(8, 2) == pytest.approx((m + 4 * 0.5) / (pr + 4 * 0.5))
+  # ignored: a compile inside the stage, no round, no price (G chosen per round), the prefill
   skip = [dict(rec, compiled=True), dict(rec, rounds=0), dict(rec, priced=None, G=None)]
+  skip.append(dict(rec, rounds=0, G=None, priced=None, prefill=True))
   assert p.updated(skip).table == ()
   # a plain G = 0 stage (the draft left behind) and a G = 0 stage whose draft takes in the token
-  z = p.updated([dict(rec, G=0, plain=True, seconds=2.0)])
-  assert z.factor(8, 0, plain=True) == pytest.approx((2 + 4) / (4 + 4))
+  z = p.updated([dict(rec, G=0, plain=True, seconds=1.0)])
+  assert z.factor(8, 0, plain=True) == pytest.approx((1 + 2) / (2 + 2))
   assert z.factor(8, 0) == 1.0
   assert z.summary() == {"8:0p": 0.75}
   np.testing.assert_allclose(z.factors(8, 3, plain=True), [0.75, 1, 1, 1])
   hash(z)  # the stage plan is memoised on it
-
-
-def test_the_prefill_price_is_the_passes_over_the_prompt():
-  pcfg, dcfg = _models()
-  m = cost.CostModel(cost.Machine(1e-4, 1e-5, 1e9, 1e9, 1e-4, 1e6, 1e9), pcfg, dcfg)
-  want = m.policy_seconds(4, 9, 40) + m.draft_seconds(4, 9, 40)
-  assert m.prefill_seconds(4, 9, 40) == pytest.approx(want)
-  assert m.draft_seconds(4, 9, 40) > 0
-  ar = dataclasses.replace(m, dcfg=None)
-  assert ar.prefill_seconds(4, 9, 40) == pytest.approx(m.policy_seconds(4, 9, 40))

@@ -481,11 +481,12 @@ def test_g_per_stage_is_the_fixed_loop_at_the_planned_g(setup):
 
 
 def test_stage_timings_and_prices_learned_from_them(setup):
-  """engine.generate(timings=): one record per stage run, in order, with its bucket, planned G,
-  rounds (summing to the rollout's), wall seconds, whether the call compiled (a second call with
-  other keys compiles nothing) and the price its plan paid (the prefill's with the first stage).
-  Fed to StagePrices, a stage that cost far more than its price moves the next plan off its G;
-  the output stays the fixed loop's at whatever G is planned (greedy: AR's tokens)."""
+  """engine.generate(timings=): the prefill's record (timed apart), then one per stage run, in
+  order, with its bucket, planned G, its own rounds (the rounds the trace shows at that G),
+  wall seconds, whether the call compiled (the first call does, a second with other keys not)
+  and the seconds its plan priced the rounds at. Fed to StagePrices, a stage that cost far more
+  than its price moves the next plan off its G; the output stays the fixed loop's at whatever G
+  is planned (greedy: AR's tokens; sampled: the same tokens timed or not)."""
   from specdraft.decode import cost as cost_lib
   from specdraft.decode import engine
 
@@ -497,24 +498,38 @@ def test_stage_timings_and_prices_learned_from_them(setup):
     num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior, compact=True,
     min_rows=4, **kw,
   )  # fmt: skip
-  run(jax.random.key(1))  # compiles every stage this plan runs ...
+  first = []
+  run(jax.random.key(1), timings=first)  # the timed path's programs compile here ...
+  assert first[0]["prefill"] and first[0]["compiled"] and first[1]["compiled"], first
   timings = []
   gen = run(jax.random.key(2), timings=timings)  # ... so this call compiles none
+  untimed = run(jax.random.key(2))
+  np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(untimed.tokens))
   st = jax.device_get(gen.stats)
-  assert [r["rows"] for r in timings] == [12, 8, 4][: len(timings)] and len(timings) >= 2
-  assert all(r["G"] == 2 and not r["compiled"] and r["seconds"] > 0 for r in timings), timings
-  assert sum(r["rounds"] for r in timings) == int(st["rounds"])
-  capacity = prompts.shape[1] + N + 3 + 2
-  first = timings[0]
-  prefill = cost.prefill_seconds(12, prompts.shape[1], capacity)
-  assert first["priced"] == pytest.approx(first["rounds"] * 2.0 + prefill)
-  assert timings[1]["priced"] == pytest.approx(timings[1]["rounds"] * 2.0)
+  pre, stages = timings[0], timings[1:]
+  assert pre["prefill"] and pre["rounds"] == 0 and pre["priced"] is None and pre["seconds"] > 0
+  assert [r["rows"] for r in stages] == [12, 8, 4][: len(stages)] and len(stages) >= 2
+  assert all(r["G"] == 2 and not r["compiled"] and r["seconds"] > 0 for r in timings[1:])
+  assert not pre["compiled"]
+  assert sum(r["rounds"] for r in stages) == int(st["rounds"])
+  assert all(r["priced"] == pytest.approx(r["rounds"] * 2.0) for r in stages)
   # the 8-row stage took three times its price: the next plan drafts G = 1 there, not 2
   plan = lambda prices: engine.stage_plan(cost, prior, [12, 8, 4], spec, 99, prices)  # noqa: E731
-  slow = dict(timings[1], seconds=240.0, rounds=40, priced=80.0)
+  slow = dict(stages[1], seconds=240.0, rounds=40, priced=80.0)
   prices = cost_lib.StagePrices(prior_rounds=4.0, keep=0.7).updated([slow])
   assert plan(None) == {12: 2, 8: 2, 4: 2}
   assert plan(prices) == {12: 2, 8: 1, 4: 2}
+  # a rollout of that plan: each stage's record has its own G and exactly the rounds the trace
+  # shows at it, in order
+  mixed = []
+  gen = run(jax.random.key(3), prices=prices, timings=mixed)
+  st = jax.device_get(gen.stats)
+  trace, at = st["num_draft_trace"][: st["rounds"]].tolist(), 0
+  assert [r["G"] for r in mixed[1:]] == [2, 1, 2][: len(mixed) - 1] and len(mixed) >= 3
+  for r in mixed[1:]:
+    assert r["rounds"] > 0 and trace[at : at + r["rounds"]] == [r["G"]] * r["rounds"], mixed
+    at += r["rounds"]
+  assert at == len(trace)
   greedy = engine.generate(
     params, dparams, pcfg, dcfg, prompts, lengths, jax.random.key(0), max_new_tokens=N,
     temperature=0.0, num_draft=3, adaptive=True, per_stage=True, cost=cost, prior=prior,
@@ -527,7 +542,8 @@ def test_stage_timings_and_prices_learned_from_them(setup):
     params, None, pcfg, None, prompts, lengths, jax.random.key(2), max_new_tokens=N,
     temperature=1.0, num_draft=0, compact=True, min_rows=4, timings=ar_times,
   )  # fmt: skip
-  assert ar_times and all(r["G"] == 0 and r["priced"] is None for r in ar_times)
+  assert ar_times[0]["prefill"] and len(ar_times) >= 2
+  assert all(r["G"] == 0 and r["priced"] is None for r in ar_times[1:])
 
 
 def _scheduled(setup, schedule, *, window: int, record=None):

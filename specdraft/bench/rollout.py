@@ -268,6 +268,12 @@ def run_adaptive(config, workdir: str) -> dict:
     arms_kw = dict(num_drafts=b.num_drafts, cost=model, prior=prior, **kw)
     if stage:
       arms_kw["stage_cost"] = stage_model
+    learned, learning = None, []
+    if stage and b.get("learn_rollouts", 0):  # untimed rollouts of the stage plan, learning
+      learned, learning = _learn_stage_prices(
+        params, dparams, ctx, prompts_BS, lengths_B, stage_model, prior, config, b, kw
+      )
+      jax.clear_caches()  # (the learning's programs: held on, they crowd the process's mappings)
     run = engine_arms(params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, **arms_kw)
     run["ar_plain"] = lambda key, t: autoregressive.generate(
       params, ctx.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
@@ -280,6 +286,12 @@ def run_adaptive(config, workdir: str) -> dict:
     )
     if "control" in run:
       every_stage["control"] = every_stage[M]
+    if learned is not None:
+      for arms, full in ((run, False), (every_stage, True)):
+        arms["auto_stage_learned"] = engine_arms(
+          params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=full,
+          **dict(arms_kw, prices=learned),
+        )["auto_stage"]  # fmt: skip
     if as_timed is not None:
       for arms, full in ((run, False), (every_stage, True)):
         arms["auto_stage_as_timed"] = engine_arms(
@@ -315,6 +327,20 @@ def run_adaptive(config, workdir: str) -> dict:
       eq = greedy_agreement(run["ar"], run["auto_stage"], jax.random.key(100))
       row["greedy_equal_stage"] = eq["greedy_equal"]
       row["greedy_rows_differing_stage"] = eq["greedy_rows_differing"]
+    if learned is not None:  # (only with stage: sizes and spec above)
+      row["stage_plan_learned"] = {str(k): v for k, v in engine.stage_plan(
+        stage_model, prior, sizes, spec, capacity, learned
+      ).items()}  # fmt: skip
+      row["stage_price_factors"] = learned.summary()
+      row["learning"] = learning
+      rate = row["tokens_per_s"]
+      row["auto_stage_learned_over_ar"] = row["over_ar"]["auto_stage_learned"]
+      row["auto_stage_learned_over_best_fixed"] = (
+        rate["auto_stage_learned"] / rate[str(row["best_fixed"])]
+      )
+      row["auto_stage_learned_over_stage"] = rate["auto_stage_learned"] / rate["auto_stage"]
+      eq = greedy_agreement(run["ar"], run["auto_stage_learned"], jax.random.key(100))
+      row["greedy_equal_stage_learned"] = eq["greedy_equal"]
     if as_timed is not None:  # (only with stage: sizes and spec above)
       row["stage_plan_as_timed"] = {str(k): v for k, v in engine.stage_plan(
         as_timed, prior, sizes, spec, capacity
@@ -332,6 +358,11 @@ def run_adaptive(config, workdir: str) -> dict:
       if stage
       else ""
     )
+    if learned is not None:
+      per_stage += (
+        f", learned/best {row['auto_stage_learned_over_best_fixed']:.2f} "
+        f"(G by bucket {row['stage_plan_learned']})"
+      )
     if "control_over_same" in row:
       per_stage += f", control/G={M} {row['control_over_same']:.2f}"
     print(
@@ -350,6 +381,9 @@ def run_adaptive(config, workdir: str) -> dict:
       "auto_stage": stage,
       "control": b.get("control", False),
       "as_timed_arm": as_timed is not None,
+      "learn_rollouts": int(b.get("learn_rollouts", 0)) if stage else 0,
+      "price_prior_rounds": config.decode.get("price_prior_rounds", 4.0),
+      "price_keep": config.decode.get("price_keep", 0.7),
       "cost_outlier": outlier,
       "policy_layers": ctx.pcfg.n_layers,
       "d_model": ctx.pcfg.d_model,
@@ -386,6 +420,17 @@ def run_adaptive(config, workdir: str) -> dict:
       ),
       **(
         {
+          "auto_stage_learned_over_ar_min": min(r["auto_stage_learned_over_ar"] for r in rows),
+          "auto_stage_learned_over_best_fixed_min": min(
+            r["auto_stage_learned_over_best_fixed"] for r in rows
+          ),
+          "greedy_equal_stage_learned": all(r["greedy_equal_stage_learned"] for r in rows),
+        }
+        if stage and b.get("learn_rollouts", 0)
+        else {}
+      ),
+      **(
+        {
           "control_over_same_min": min(r["control_over_same"] for r in rows),
           "control_over_same_max": max(r["control_over_same"] for r in rows),
         }
@@ -401,6 +446,28 @@ def run_adaptive(config, workdir: str) -> dict:
   print(adaptive_table(results))
   print(provenance.goals_table(results["goals"]), flush=True)
   return results
+
+
+def _learn_stage_prices(params, dparams, ctx, prompts_BS, lengths_B, model, prior, config, b, kw):
+  """(StagePrices, [{plan, stages}]): `bench.learn_rollouts` untimed rollouts of the G-per-stage
+  plan, keys 200, 201, ..., each planning with the prices the earlier ones learned and folding its
+  own stages' times in (stages whose call compiled are left out), as an RL run's rollouts do."""
+  prices = cost.StagePrices(
+    config.decode.get("price_prior_rounds", 4.0), config.decode.get("price_keep", 0.7)
+  )
+  history = []
+  for k in range(int(b.learn_rollouts)):
+    timings = []
+    engine.generate(
+      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, jax.random.key(200 + k),
+      temperature=b.temperature, num_draft=max(b.num_drafts), adaptive=True, per_stage=True,
+      cost=model, prior=prior, prices=prices, timings=timings, **kw,
+    )  # fmt: skip
+    prices = prices.updated(timings)
+    history.append(
+      {"stages": [{k: v for k, v in t.items()} for t in timings], "factors": prices.summary()}
+    )
+  return prices, history
 
 
 def _over_planned(row: dict) -> float | None:
@@ -470,11 +537,14 @@ def adaptive_table(results) -> str:
   arms = ["ar_plain"] + [str(G) for G in results["config"]["num_drafts"]] + ["auto"]
   if results["config"].get("auto_stage"):
     arms.append("auto_stage")
+  if results["config"].get("learn_rollouts"):
+    arms.append("auto_stage_learned")
   if results["config"].get("as_timed_arm"):
     arms.append("auto_stage_as_timed")
   stage = results["config"].get("auto_stage", False)
   control = results["config"].get("control", False)
-  label = lambda a: "G=" + a if a.isdigit() else {"auto_stage_as_timed": "as_timed"}.get(a, a)
+  short = {"auto_stage_as_timed": "as_timed", "auto_stage_learned": "learned"}
+  label = lambda a: "G=" + a if a.isdigit() else short.get(a, a)
   head = " ".join(f"{label(a):>8}" for a in arms)
   extra = f" {'stage/best':>10} {'stage/plan':>10}" if stage else ""
   extra += f" {'ctl/same':>8}" if control else ""
@@ -493,6 +563,7 @@ def adaptive_table(results) -> str:
       extra = f" {r['auto_stage_over_best_fixed']:>10.2f} {plan}"
     extra += f" {r['control_over_same']:>8.2f}" if control else ""
     greedy = r["greedy_equal"] and r.get("greedy_equal_stage", True)
+    greedy = greedy and r.get("greedy_equal_stage_learned", True)
     lines.append(
       f"{r['batch']:>5} {r['tokens_per_s']['ar']:>9.1f} {cells} {r['best_fixed']:>4} "
       f"{r['auto_over_best_fixed']:>9.2f}{extra} {str(greedy):>7}"

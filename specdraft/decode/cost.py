@@ -335,12 +335,6 @@ class CostModel:
     own = self.machine.round_overhead(rows, 1, self.pcfg.vocab_size, self.pcfg.n_layers)
     return self.policy_seconds(rows, 1, capacity) + own
 
-  def prefill_seconds(self, rows: int, prompt_len: int, capacity: int) -> float:
-    """A rollout's prefill: one policy pass over the prompts and the draft's over their taps
-    (none without a draft), what the first stage of a rollout runs before its rounds."""
-    t = self.policy_seconds(rows, prompt_len, capacity)
-    return t + (self.draft_seconds(rows, prompt_len, capacity) if self.dcfg is not None else 0.0)
-
   def round_seconds(self, rows: int, G: int, capacity: int, *, plain: bool = True) -> float:
     """A round at G. G = 0 under adaptive G is a plain step (`plain`); in a loop fixed at G = 0
     (plain=False, as the validation times it) EAGLE-3 still takes in the emitted token."""
@@ -416,11 +410,12 @@ class StagePrices:
   amount, and unevenly across G, which is what the choice of G turns on. Every stage of a
   rollout ends at a host sync, so its wall time is known for free: each stage that ran rounds
   and compiled nothing adds (measured seconds, priced seconds, rounds) to its (rows, G, plain)
-  entry, earlier evidence kept at weight `keep` per observation. The factor is the pooled ratio
-  measured / priced, shrunk toward 1 by `prior_rounds` pseudo rounds at the priced seconds: a
-  stage of a few rounds moves it a little, a long record a lot. Only the G a plan ran are
-  observed: a G priced too cheaply is found out and dropped; one priced too dearly stays
-  unplanned until its neighbours' evidence makes it the cheapest (greedy, no exploration).
+  entry, every entry's earlier evidence kept at weight `keep` per rollout. The factor is the
+  pooled ratio measured / priced, shrunk toward 1 by `prior_rounds` pseudo rounds at the priced
+  seconds of a round: a stage of a few rounds moves it a little, a long record a lot. Only the G
+  a plan ran are observed: a G priced too cheaply is found out and dropped; one priced too
+  dearly (or one slow stage) stays unplanned until its evidence fades toward the model's price
+  or its neighbours' makes it the cheapest (greedy, no explicit exploration).
   `plain` separates a G = 0 stage run as plain steps (the draft left behind) from one whose
   draft takes in the emitted token. Host values only; hashable (the plan is memoised on it)."""
 
@@ -446,16 +441,19 @@ class StagePrices:
     )
 
   def updated(self, records: list[dict]) -> StagePrices:
-    """Folds in a rollout's stage records (`engine.generate(timings=)`): those with a price, at
-    least one round and no compile; other entries are left as they were."""
-    table = dict(self.table)
+    """Folds in a rollout's stage records (`engine.generate(timings=)`): every entry's evidence
+    is first kept at weight `keep` (one rollout older), then each record with a price, at least
+    one round and no compile adds its own. An entry no plan runs again so fades back toward the
+    model's price, and the plan tries its G again once its neighbours look dearer (one slow
+    stage does not bar a G for good)."""
+    table = {k: tuple(self.keep * v for v in vals) for k, vals in self.table}
     for r in records:
       if r.get("priced") is None or r.get("compiled") or r.get("rounds", 0) < 1:
         continue
       key = (int(r["rows"]), int(r["G"]), bool(r.get("plain", False) and r["G"] == 0))
       old = table.get(key, (0.0, 0.0, 0.0))
       obs = (float(r["seconds"]), float(r["priced"]), float(r["rounds"]))
-      table[key] = tuple(self.keep * o + x for o, x in zip(old, obs))
+      table[key] = tuple(o + x for o, x in zip(old, obs))
     return dataclasses.replace(self, table=tuple(sorted(table.items())))
 
   def summary(self) -> dict:

@@ -102,12 +102,14 @@ def generate(
   fixed-G loop; the stages a call runs are a function of the batch, the cost model, `prior` and
   `prices` alone, so a warm-up call compiles every stage a timed call with other keys runs.
   `prices` (with `per_stage`): what earlier rollouts' stages cost against their price, scaling
-  the plan's prices (`decode.cost.StagePrices`). `timings`: a list to which each stage run
-  appends {rows, G, plain, rounds, seconds, compiled, priced}: its wall time from the host sync
-  before it to the one ending it (one more sync, after the last stage, when asked), its rounds,
-  whether the call compiled its program, and with `per_stage` the seconds its plan priced it at
-  (the rounds at the planned price, the prefill's model price with the first stage); G is None
-  for rounds of G chosen per round."""
+  the plan's prices (`decode.cost.StagePrices`). `timings`: a list to which the call appends
+  a record of its prefill (`prefill` True, no rounds; timed apart: a timed call prefills in a
+  program of its own, then runs the first stage from it) and of each stage it runs, {rows, G,
+  plain, rounds, seconds, compiled, priced, prefill}: its wall time from the host sync before it
+  to the one ending it (one more sync, after the last stage), its rounds, whether the call
+  compiled its program, and with `per_stage` the seconds its plan priced its rounds at; G is None
+  for rounds of G chosen per round. The step down between stages (writing rows back, gathering
+  the active ones) is timed with the stage it starts. Ignored with `every_stage`."""
   B = int(prompt_BS.shape[0])
   N = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
@@ -136,14 +138,22 @@ def generate(
     plan = stage_plan(cost, prior, sizes, spec, capacity, prices)
     plain = plain_stages(plan)
     spec_at = lambda b: spec._replace(stage_G=plan[b], stage_plain=b in plain)
+  timings = None if every_stage else timings  # a warm-up's stages are not rollouts' stages
   clock = _StageClock(timings, sizes, plan, plain, num_draft, spec, cost, capacity)
   stop = lambda i: jnp.int32(sizes[i + 1] if i + 1 < len(sizes) else 0)
-  args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
-  carry, out = clock.call(_start, *args, spec=spec_at(B), sampler=sampler)
+  if clock.on:  # the prefill on its own (timed apart: it is no stage's rounds), then stage one
+    jax.block_until_ready((params, dparams, prompt_BS, prompt_lengths_B))
+    carry = clock.call(init_jit, params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
+    clock.prefill_ended(carry, B)
+    args = (params, dparams, carry, choice_at(B), stop(0))
+    carry, out = clock.call(_first_stage, *args, spec=spec_at(B), sampler=sampler)
+  else:
+    args = (params, dparams, prompt_BS, prompt_lengths_B, key, choice_at(B), stop(0))
+    carry, out = _start(*args, spec=spec_at(B), sampler=sampler)
   slots = jnp.arange(B)
   for i in range(1, len(sizes)):
     done = multihost.to_host(carry["done"])  # the one host sync of a stage
-    clock.stage_ended(carry, i - 1, int(prompt_BS.shape[1]))
+    clock.stage_ended(carry, i - 1)
     if every_stage:  # a later call whose rows all finish in this stage ends from this bucket
       _end(carry, out, slots, spec=spec)
     elif done.all():
@@ -154,31 +164,41 @@ def generate(
       spec=spec_at(sizes[i]), sampler=sampler, rows=rows,
     )  # fmt: skip
   else:  # the last stage's end (its counters read back: one more sync, only when timed)
-    clock.stage_ended(carry, len(sizes) - 1, int(prompt_BS.shape[1]))
+    clock.stage_ended(carry, len(sizes) - 1)
   return _end(carry, out, slots, spec=spec)
 
 
 class _StageClock:
-  """`generate`'s stage timings (a no-op without a `timings` list): the wall time from the host
-  sync before a stage to the one that ends it, its rounds (from the carried counters), whether
-  its call compiled, and its planned price."""
+  """`generate`'s stage timings (a no-op without a `timings` list): the prefill's wall time, then
+  each stage's from the host sync before it to the one that ends it, its rounds (from the
+  carried counters), whether its call compiled, and its planned price."""
 
   def __init__(self, timings, sizes, plan, plain, num_draft, spec, cost, capacity):
     self.on = timings is not None
     self.records, self.sizes, self.plan, self.plain = timings, sizes, plan, plain
     self.num_draft, self.spec, self.cost = num_draft, spec, cost
-    self.capacity, self.rounds, self.compiled, self.t0 = capacity, 0, False, 0.0
+    self.capacity, self.rounds, self.compiled, self.t0 = capacity, 0, False, None
     self.ended = set()  # the stages recorded (one record each)
 
   def call(self, fn, *args, **kw):
-    if not self.on:
-      return fn(*args, **kw)
-    before, self.t0 = fn._cache_size(), self.t0 or time.perf_counter()
+    before = fn._cache_size()
+    self.t0 = time.perf_counter() if self.t0 is None else self.t0
     out = fn(*args, **kw)
     self.compiled = fn._cache_size() > before  # compiled in this call: its time is not a stage's
     return out
 
-  def stage_ended(self, carry, i: int, prompt_len: int) -> None:
+  def prefill_ended(self, carry, rows: int) -> None:
+    jax.block_until_ready(carry)
+    now = time.perf_counter()
+    self.records.append(
+      dict(
+        rows=rows, G=None, plain=False, rounds=0, seconds=now - self.t0, compiled=self.compiled,
+        priced=None, prefill=True,
+      )
+    )  # fmt: skip
+    self.t0 = now
+
+  def stage_ended(self, carry, i: int) -> None:
     if not self.on or i in self.ended:
       return
     self.ended.add(i)
@@ -189,14 +209,12 @@ class _StageClock:
     G = self.plan[b] if self.plan is not None else None if adaptive else self.num_draft
     rec = dict(
       rows=b, G=G, plain=b in self.plain, rounds=total - self.rounds, seconds=now - self.t0,
-      compiled=self.compiled, priced=None,
+      compiled=self.compiled, priced=None, prefill=False,
     )  # fmt: skip
     if self.plan is not None:  # the model's price, before any earlier stages' factor
       drafts_later = any(g > 0 for s, g in self.plan.items() if s < b)
       rs = self.cost.round_seconds_all(b, self.num_draft, self.capacity, plain=not drafts_later)
-      rec["priced"] = rec["rounds"] * float(rs[G]) + (
-        self.cost.prefill_seconds(b, prompt_len, self.capacity) if i == 0 else 0.0
-      )
+      rec["priced"] = rec["rounds"] * float(rs[G])
     self.records.append(rec)
     self.rounds, self.t0 = total, now
 
@@ -273,6 +291,13 @@ def _finish(carry, *, spec) -> Generation:
 def _start(params, dparams, prompt_BS, prompt_lengths_B, key, choice, stop_below, *, spec, sampler):
   """Prefill and the first stage at the whole batch: (carry, the batch's output so far)."""
   carry = _init(params, dparams, prompt_BS, prompt_lengths_B, key, spec=spec)
+  carry = _run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler)
+  return carry, _finish(carry, spec=spec)._replace(stats=None)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "sampler"))
+def _first_stage(params, dparams, carry, choice, stop_below, *, spec, sampler):
+  """`_start`'s first stage from a prefilled carry (a timed rollout prefills apart)."""
   carry = _run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler)
   return carry, _finish(carry, spec=spec)._replace(stats=None)
 
