@@ -620,8 +620,10 @@ def test_stage_prices_by_hand():
   m, pr = 6 * 0.5**3, 2 * 0.5**3
   assert faded.factor(8, 2) == pytest.approx((m + 4 * 0.5) / (pr + 4 * 0.5))
   # ignored: a compile inside the stage, no round, no price (G chosen per round), the prefill
+  # and a step down
   skip = [dict(rec, compiled=True), dict(rec, rounds=0), dict(rec, priced=None, G=None)]
   skip.append(dict(rec, rounds=0, G=None, priced=None, prefill=True))
+  skip.append(dict(rec, rounds=0, G=None, priced=None, step_down=True))  # between two stages
   assert p.updated(skip).table == ()
   # a plain G = 0 stage (the draft left behind) and a G = 0 stage whose draft takes in the token
   z = p.updated([dict(rec, G=0, plain=True, seconds=1.0)])

@@ -482,7 +482,8 @@ def test_g_per_stage_is_the_fixed_loop_at_the_planned_g(setup):
 
 def test_stage_timings_and_prices_learned_from_them(setup):
   """engine.generate(timings=): the prefill's record (timed apart), then one per stage run, in
-  order, with its bucket, planned G, its own rounds (the rounds the trace shows at that G),
+  order, each stage after the first preceded by its step down's (timed apart too: no rounds, no
+  price), with its bucket, planned G, its own rounds (the rounds the trace shows at that G),
   wall seconds, whether the call compiled (the first call does, a second with other keys not)
   and the seconds its plan priced the rounds at. Fed to StagePrices, a stage that cost far more
   than its price moves the next plan off its G; the output stays the fixed loop's at whatever G
@@ -506,11 +507,18 @@ def test_stage_timings_and_prices_learned_from_them(setup):
   untimed = run(jax.random.key(2))
   np.testing.assert_array_equal(np.asarray(gen.tokens), np.asarray(untimed.tokens))
   st = jax.device_get(gen.stats)
-  pre, stages = timings[0], timings[1:]
+  pre, stages = timings[0], _stages(timings)
   assert pre["prefill"] and pre["rounds"] == 0 and pre["priced"] is None and pre["seconds"] > 0
+  assert not pre["step_down"] and all(not r["prefill"] for r in timings[1:])
   assert [r["rows"] for r in stages] == [12, 8, 4][: len(stages)] and len(stages) >= 2
-  assert all(r["G"] == 2 and not r["compiled"] and r["seconds"] > 0 for r in timings[1:])
+  assert all(r["G"] == 2 and not r["compiled"] and r["seconds"] > 0 for r in stages)
   assert not pre["compiled"]
+  # stage, step down, stage, ...: each step down into the bucket of the stage after it
+  kinds = [r["step_down"] for r in timings[1:]]
+  assert kinds == [i % 2 == 1 for i in range(len(kinds))] and not kinds[-1], timings
+  for down, nxt in zip(timings[2::2], timings[3::2]):
+    assert down["rows"] == nxt["rows"] and down["rounds"] == 0 and down["priced"] is None
+    assert down["G"] is None and down["seconds"] > 0 and not down["compiled"]
   assert sum(r["rounds"] for r in stages) == int(st["rounds"])
   assert all(r["priced"] == pytest.approx(r["rounds"] * 2.0) for r in stages)
   # the 8-row stage took three times its price: the next plan drafts G = 1 there, not 2
@@ -525,8 +533,9 @@ def test_stage_timings_and_prices_learned_from_them(setup):
   gen = run(jax.random.key(3), prices=prices, timings=mixed)
   st = jax.device_get(gen.stats)
   trace, at = st["num_draft_trace"][: st["rounds"]].tolist(), 0
-  assert [r["G"] for r in mixed[1:]] == [2, 1, 2][: len(mixed) - 1] and len(mixed) >= 3
-  for r in mixed[1:]:
+  assert [r["G"] for r in _stages(mixed)] == [2, 1, 2][: len(_stages(mixed))]
+  assert len(_stages(mixed)) >= 2
+  for r in _stages(mixed):
     assert r["rounds"] > 0 and trace[at : at + r["rounds"]] == [r["G"]] * r["rounds"], mixed
     at += r["rounds"]
   assert at == len(trace)
@@ -543,7 +552,13 @@ def test_stage_timings_and_prices_learned_from_them(setup):
     temperature=1.0, num_draft=0, compact=True, min_rows=4, timings=ar_times,
   )  # fmt: skip
   assert ar_times[0]["prefill"] and len(ar_times) >= 2
-  assert all(r["G"] == 0 and r["priced"] is None for r in ar_times[1:])
+  assert all(r["G"] == 0 and r["priced"] is None for r in _stages(ar_times))
+  assert sum(r["step_down"] for r in ar_times) == len(_stages(ar_times)) - 1
+
+
+def _stages(timings: list[dict]) -> list[dict]:
+  """The stages' records among engine.generate's timings (not the prefill, not a step down)."""
+  return [r for r in timings if not (r["prefill"] or r["step_down"])]
 
 
 def _scheduled(setup, schedule, *, window: int, record=None):

@@ -465,7 +465,7 @@ def _learn_stage_prices(params, dparams, ctx, prompts_BS, lengths_B, model, prio
     )  # fmt: skip
     prices = prices.updated(timings)
     history.append(
-      {"stages": [{k: v for k, v in t.items()} for t in timings], "factors": prices.summary()}
+      {"stages": [dict(t) for t in timings], "factors": prices.summary()}
     )
   return prices, history
 

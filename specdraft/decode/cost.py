@@ -442,13 +442,15 @@ class StagePrices:
 
   def updated(self, records: list[dict]) -> StagePrices:
     """Folds in a rollout's stage records (`engine.generate(timings=)`): every entry's evidence
-    is first kept at weight `keep` (one rollout older), then each record with a price, at least
-    one round and no compile adds its own. An entry no plan runs again so fades back toward the
+    is first kept at weight `keep` (one rollout older), then each stage's record with a price,
+    at least one round and no compile adds its own (the prefill and the step downs, timed apart,
+    are no stage's rounds). An entry no plan runs again so fades back toward the
     model's price, and the plan tries its G again once its neighbours look dearer (one slow
     stage does not bar a G for good)."""
     table = {k: tuple(self.keep * v for v in vals) for k, vals in self.table}
     for r in records:
-      if r.get("priced") is None or r.get("compiled") or r.get("rounds", 0) < 1:
+      apart = r.get("prefill") or r.get("step_down")  # no stage's rounds
+      if apart or r.get("priced") is None or r.get("compiled") or r.get("rounds", 0) < 1:
         continue
       key = (int(r["rows"]), int(r["G"]), bool(r.get("plain", False) and r["G"] == 0))
       old = table.get(key, (0.0, 0.0, 0.0))

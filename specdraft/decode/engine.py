@@ -108,8 +108,10 @@ def generate(
   plain, rounds, seconds, compiled, priced, prefill}: its wall time from the host sync before it
   to the one ending it (one more sync, after the last stage), its rounds, whether the call
   compiled its program, and with `per_stage` the seconds its plan priced its rounds at; G is None
-  for rounds of G chosen per round. The step down between stages (writing rows back, gathering
-  the active ones) is timed with the stage it starts. Ignored with `every_stage`."""
+  for rounds of G chosen per round. Before each stage after the first, a record of the step down
+  into its bucket (`step_down` True, no rounds, no price: writing the finished rows back and
+  gathering the active ones, timed apart in a program of its own so that a stage of one or two
+  rounds is not charged for it). Ignored with `every_stage`."""
   B = int(prompt_BS.shape[0])
   N = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
@@ -159,8 +161,14 @@ def generate(
     elif done.all():
       break
     keep = jnp.asarray(np.argsort(done, kind="stable")[: sizes[i]])  # active rows first
-    carry, out, slots = clock.call(
-      _next_stage, params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
+    if clock.on:  # the step down on its own (timed apart: it is no stage's rounds), then the stage
+      carry, out, slots = clock.call(_step_down, carry, out, slots, keep, spec=spec, rows=rows)
+      clock.step_down_ended((carry, out), sizes[i])
+      run_args = (params, dparams, carry, choice_at(sizes[i]), stop(i))
+      carry = clock.call(run_jit, *run_args, spec=spec_at(sizes[i]), sampler=sampler)
+      continue
+    carry, out, slots = _next_stage(
+      params, dparams, carry, out, slots, keep, choice_at(sizes[i]), stop(i),
       spec=spec_at(sizes[i]), sampler=sampler, rows=rows,
     )  # fmt: skip
   else:  # the last stage's end (its counters read back: one more sync, only when timed)
@@ -170,15 +178,15 @@ def generate(
 
 class _StageClock:
   """`generate`'s stage timings (a no-op without a `timings` list): the prefill's wall time, then
-  each stage's from the host sync before it to the one that ends it, its rounds (from the
-  carried counters), whether its call compiled, and its planned price."""
+  each step down between stages and each stage from the host sync before it to the one that
+  ends it, a stage's rounds (from the carried counters), whether its call compiled, and its
+  planned price. Every record has the same keys (`prefill`, `step_down`: which kind it is)."""
 
   def __init__(self, timings, sizes, plan, plain, num_draft, spec, cost, capacity):
     self.on = timings is not None
     self.records, self.sizes, self.plan, self.plain = timings, sizes, plan, plain
     self.num_draft, self.spec, self.cost = num_draft, spec, cost
     self.capacity, self.rounds, self.compiled, self.t0 = capacity, 0, False, None
-    self.ended = set()  # the stages recorded (one record each)
 
   def call(self, fn, *args, **kw):
     before = fn._cache_size()
@@ -187,21 +195,26 @@ class _StageClock:
     self.compiled = fn._cache_size() > before  # compiled in this call: its time is not a stage's
     return out
 
-  def prefill_ended(self, carry, rows: int) -> None:
+  def _apart(self, carry, rows: int, **kind) -> None:
+    """The record of a program timed apart from the stages' rounds (the prefill, a step down)."""
     jax.block_until_ready(carry)
     now = time.perf_counter()
-    self.records.append(
-      dict(
-        rows=rows, G=None, plain=False, rounds=0, seconds=now - self.t0, compiled=self.compiled,
-        priced=None, prefill=True,
-      )
+    rec = dict(
+      rows=rows, G=None, plain=False, rounds=0, seconds=now - self.t0, compiled=self.compiled,
+      priced=None, prefill=False, step_down=False,
     )  # fmt: skip
+    self.records.append(dict(rec, **kind))
     self.t0 = now
 
+  def prefill_ended(self, carry, rows: int) -> None:
+    self._apart(carry, rows, prefill=True)
+
+  def step_down_ended(self, carry, rows: int) -> None:
+    self._apart(carry, rows, step_down=True)
+
   def stage_ended(self, carry, i: int) -> None:
-    if not self.on or i in self.ended:
+    if not self.on:
       return
-    self.ended.add(i)
     st = carry["stats"]
     total = int(multihost.to_host(st["rounds"] if "rounds" in st else st["policy_passes"] - 1))
     now, b = time.perf_counter(), self.sizes[i]
@@ -209,7 +222,7 @@ class _StageClock:
     G = self.plan[b] if self.plan is not None else None if adaptive else self.num_draft
     rec = dict(
       rows=b, G=G, plain=b in self.plain, rounds=total - self.rounds, seconds=now - self.t0,
-      compiled=self.compiled, priced=None, prefill=False,
+      compiled=self.compiled, priced=None, prefill=False, step_down=False,
     )  # fmt: skip
     if self.plan is not None:  # the model's price, before any earlier stages' factor
       drafts_later = any(g > 0 for s, g in self.plan.items() if s < b)
@@ -306,11 +319,17 @@ def _first_stage(params, dparams, carry, choice, stop_below, *, spec, sampler):
 def _next_stage(
   params, dparams, carry, out, slots, keep, choice, stop_below, *, spec, sampler, rows
 ):
-  """Writes the bucket's rows back into the batch's output, gathers rows `keep` into the next
-  bucket and runs its stage: (carry, output, slots: each bucket row's row in the batch)."""
-  out = _scatter_rows(out, _finish(carry, spec=spec), slots)
-  carry, slots = _gather(carry, keep, rows), slots[keep]
+  """The step down into the next bucket (`_down`) and its stage: (carry, output, slots: each
+  bucket row's row in the batch)."""
+  carry, out, slots = _down(carry, out, slots, keep, spec=spec, rows=rows)
   return _run(params, dparams, carry, choice, stop_below, spec=spec, sampler=sampler), out, slots
+
+
+def _down(carry, out, slots, keep, *, spec, rows):
+  """Writes the bucket's rows back into the batch's output and gathers rows `keep` into the
+  next bucket: (its carry, the output, its slots)."""
+  out = _scatter_rows(out, _finish(carry, spec=spec), slots)
+  return _gather(carry, keep, rows), out, slots[keep]
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -354,6 +373,8 @@ def _gather(carry, idx, rows: Rows | None = None):
   return jax.tree_util.tree_map_with_path(take, carry)
 
 
-# One stage's pieces on their own (calibration times a whole stage: decode/cost.py).
+# One stage's pieces on their own (calibration times a whole stage: decode/cost.py; a timed
+# rollout runs its prefill, step downs and stages apart).
 init_jit = jax.jit(_init, static_argnames=("spec",))
 run_jit = jax.jit(_run, static_argnames=("spec", "sampler"))
+_step_down = jax.jit(_down, static_argnames=("spec", "rows"))
