@@ -464,9 +464,7 @@ def _learn_stage_prices(params, dparams, ctx, prompts_BS, lengths_B, model, prio
       cost=model, prior=prior, prices=prices, timings=timings, **kw,
     )  # fmt: skip
     prices = prices.updated(timings)
-    history.append(
-      {"stages": [dict(t) for t in timings], "factors": prices.summary()}
-    )
+    history.append({"stages": [dict(t) for t in timings], "factors": prices.summary()})
   return prices, history
 
 
