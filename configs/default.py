@@ -278,11 +278,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # sequence chunk in which logits are formed (0 = the whole row at once), and per-layer
   # rematerialisation of the policy in the backward pass (saves only each layer's input).
   c.compute = ml_collections.ConfigDict(dict(attn_tile=512, vocab_chunk=256, remat=False))
+  # The attention of every training step (the policy's trunk, the cp ring, the draft's branch
+  # rows): kernel "xla" (the tiles above, compute.attn_tile) or "pallas" (the fused block of
+  # attention/kernels: backend auto | interpret (CPU) | triton (GPU) | mosaic (TPU); block_q /
+  # block_k its tiles, 0 = the backend's default; num_warps / num_stages Triton's launch).
+  c.attention = ml_collections.ConfigDict(
+    dict(kernel="xla", backend="auto", block_q=0, block_k=0, num_warps=4, num_stages=2)
+  )
   c.parallel = layout_config(arg.layout)
 
   if not arg.smoke:  # the run's task and its sizes (see the docstring)
-    # free_order (terms in any order) is left off: at 12 layers and 700 SFT steps it left greedy
-    # accuracy at 0.28 (the model misaligns the operands' digits); spaces do not change the work
+    # free_order (terms in any order) stays off: a 12-layer policy after 700 SFT steps misaligns
+    # the operands' digits when they may come in any order; spaces do not change the work
     c.task.arithmetic.update(
       formats="columns:0.95,semicolon:0.05",
       reward_format="semicolon",
@@ -292,19 +299,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # a spaced answer has at most 58 characters, then EOS; BOS + prompt + answer + EOS <= 68
     c.decode.max_new_tokens = 60
     c.data.seq_len = 72
-    # sized for make run's 20-minute budget (docs/results.md: make_run records its wall time)
+    # sized for make run's 20-minute budget (its wall time is a goal of the make_run results)
     c.sft.steps, c.sft.lr = 700, 2e-3
     c.eval.every = 350
     c.draft.pretrain_steps = 120
     c.rl.eval_every = 15
-    # K = 3 TTT steps: the co-training step costs about 1.2x an RL-only step at 12 layers
-    # (7 steps: about 1.55x; docs/results/bench_step), which the whole RL step's time feels.
+    # K = 3 TTT steps: the draft's loss grows with K and the whole RL step's time feels it
+    # (bench_step measures the co-training step against the RL-only step per K)
     c.draft.ttt_steps = 3
-    # G = 3 proposals a round: the fastest of G = 1..6 at this setting (configs/bench_rollout.py:
-    # sweep, docs/results.md): a longer proposal raises tau by less than its draft passes cost
+    # G = 3 proposals a round, the G that configs/bench_rollout.py:sweep measures fastest at
+    # this setting: a longer proposal raises tau by less than its draft passes cost
     c.decode.num_draft = 3
-    # at 5e-4 the 12-layer policy switched format within 7 steps (reward 0.05 -> 0.44), then its
-    # arithmetic broke (reward back to ~0.05 by step 18): too large a step for this depth
+    # a larger step (5e-4) makes the 12-layer policy switch format quickly and then break its
+    # arithmetic: too large a step for this depth
     c.rl.lr = 2e-4
   if arg.smoke:
     c.task.num_train, c.task.num_test = 512, 32

@@ -24,25 +24,16 @@ draft's branch attention joins it, and the vocabulary is touched in chunks. One 
   one attention head computes by attending uniformly. Its SFT data writes 40% of the answers as
   "q;z", which the reward does not pay (`semicolon_share`), so the SFT policy leaves the RL phase a
   behaviour to drop, as the arithmetic task of `make run` does with its rare rewarded format.
-  How this setting was chosen (probes on one device, `--config=configs/long.py:layout=single`
-  with the task fields given, 2026-12-01): the first learning run (16 symbols, alpha 0.5, top 5;
-  `docs/results/long_run` at commit bb9755a) ended SFT at greedy reward 0.128, near chance, and RL
-  did not raise it; 8 symbols at alpha 1 learn the most frequent letter within 200 SFT steps
-  (greedy reward 0.36 with top 3) but not yet the second (0.36 again at 300 steps). Noisy reference
-  letters (`label_noise=0.3`, top 2, 400 SFT steps: greedy 0.52) left the RL phase an
-  input-dependent correction that 8 x 4 or 8 x 8 rollouts per step did not find: the sampled reward
-  stayed near 0.3 at lr 2e-4, and lr 5e-4 (1e-3) lowered the greedy reward to 0.34 after 7 steps
-  (from 0.36 to 0.14 after 14 steps).
+  Why 8 symbols, alpha 1 and the top 2 (probes on one device, without results files): with 16
+  symbols the SFT policy stayed near chance and RL did not move it; with 8 the most frequent
+  letter is learned within a few hundred SFT steps; reference letters with noise left RL a
+  correction its rollouts did not find.
 - `retrieval` (tasks/retrieval.py): `records` records "key=value;" and `queries` keys asked at
   once; the answer lists their values. The tiny policy does not learn this lookup within what a
-  2-core machine gives a run. Probes, SFT only, one device, 16 packed rows of 256 tokens per step,
-  lr 3e-3 (`experiments/train.py --config=configs/long.py:task=retrieval,layout=single,records=R
-  --config.task.retrieval.min_records=1 --config.task.retrieval.query_end='='
-  --config.data.packing=True --config.data.seq_len=256 --config.data.batch_size=16`, 2026-12-01):
-  one-letter keys with 1-8 records reached greedy accuracy 0.16 after 1000 steps (answer loss
-  1.73 -> 0.89; it often copies the neighbouring record's value); two-letter keys with 1-24
-  records stayed at the uniform-digit loss (1.73) for 640 steps. Induction-style lookups leave
-  that plateau after many thousands of large-batch steps, beyond this machine; `:long` (which
+  2-core machine gives a run (SFT-only probes on one device, without results files: one-letter
+  keys among a few records are partly learned in a thousand steps, longer keys among more records
+  stay at the uniform-digit loss; induction-style lookups leave that plateau only after many
+  thousands of large-batch steps); `:long` (which
   shows the run works at >= 8K tokens) keeps the retrieval task its committed results used.
 """
 

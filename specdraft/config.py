@@ -71,6 +71,7 @@ def validate(config, *, num_devices: int | None = None) -> None:
   _validate_draft(config, pcfg, tok)
   _validate_rl(config)
   _validate_compute(config)
+  _validate_attention(config)
   _validate_export(config, pcfg, tok)
   _validate_layout(config, num_devices, pcfg)
 
@@ -404,6 +405,56 @@ def _validate_compute(config) -> None:
     invalid("compute.attn_tile", cm.attn_tile, "must be >= 1 (query rows and keys per tile)")
   if cm.vocab_chunk < 0:
     invalid("compute.vocab_chunk", cm.vocab_chunk, "must be >= 0 (tokens per chunk; 0 = whole row)")
+
+
+ATTENTION_KERNELS = ("xla", "pallas")
+
+
+def _validate_attention(config) -> None:
+  """attention.kernel and the fused block's settings (attention/kernels/flash.py)."""
+  at = config.get("attention")
+  if at is None:
+    return
+  if at.kernel not in ATTENTION_KERNELS:
+    invalid(
+      "attention.kernel",
+      at.kernel,
+      f"expected one of {ATTENTION_KERNELS} (xla: the tiled XLA path; pallas: the fused block)",
+    )
+  from specdraft.attention.kernels import flash
+
+  if at.backend not in flash.BACKENDS:
+    invalid("attention.backend", at.backend, f"expected one of {flash.BACKENDS}")
+  for name in ("block_q", "block_k"):
+    if at[name] < 0:
+      invalid(f"attention.{name}", at[name], "must be >= 0 (rows per tile; 0 = the default)")
+  for name in ("num_warps", "num_stages"):
+    if at[name] < 1:
+      invalid(f"attention.{name}", at[name], "must be >= 1")
+  if at.kernel != "pallas":
+    return
+  backend = at.backend
+  if backend == "auto":
+    try:
+      backend = flash.resolve_backend("auto")
+    except ValueError as e:
+      invalid("attention.backend", at.backend, str(e))
+  if backend == "triton":
+    for name in ("block_q", "block_k"):
+      b = at[name]
+      if b and (b < 16 or b & (b - 1)):
+        invalid(f"attention.{name}", b, "Triton tiles are powers of two >= 16 (or 0)")
+  rows = {a: int(config.parallel.mesh.get(a, 1)) for a in ("data", "fsdp", "tensor")}
+  rows = {a: n for a, n in rows.items() if n > 1}
+  if backend != "interpret" and rows:
+    invalid(
+      "attention.kernel",
+      at.kernel,
+      f"on {backend} the fused block is one custom call per device, which the compiler cannot "
+      f"split by rows or heads, and a training step leaves the mesh's row and head axes to it "
+      f"(this layout: {rows}); use kernel='xla' under such layouts, or a layout whose data, "
+      "fsdp and tensor axes are 1",
+    )
 
 
 def _validate_layout(config, num_devices: int | None, imported=None) -> None:

@@ -3,7 +3,6 @@
 block pass, and the co-training contract (no cross-gradients, lambda = 0 is RL-only)."""
 
 import dataclasses
-import functools
 
 import _tolerance as tol
 import jax
@@ -13,12 +12,15 @@ import pytest
 from test_speculative import _two_sample_pvalue, assert_behaviour_logprobs, broken_rejection_sample
 
 from configs import default as default_config
+from specdraft import oracles
 from specdraft.decode import autoregressive, speculative
 from specdraft.model import dflash, drafts
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
+from specdraft.train import draft as draft_lib
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 KINDS = ("dflash", "dspark")
 # `make test` runs every test for DFlash; the DSpark variants (the same code plus the Markov head)
@@ -118,7 +120,7 @@ def test_targets_and_weights_by_hand():
 
   @jax.jit
   def loss(logits):
-    return dflash.block_loss(
+    return oracles.block_loss(
       tr["draft"], dcfg, tr["policy"]["embed"], pol.head_weight(tr["policy"], pcfg), taps,
       logits, tokens, pos, seg, mask,
     )  # fmt: skip
@@ -137,8 +139,8 @@ def test_targets_and_weights_by_hand():
 
 
 def _draft_loss(dcfg, pcfg, tr, b, mesh=None):
-  body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=8)
-  loss = lambda d, p: sequence.run(body, mesh, (d, p), b)
+  spec = StepSpec.of(pcfg, dcfg, mesh=mesh, vocab_chunk=8)
+  loss = lambda d, p: draft_lib.draft_loss(d, p, b, spec)
   return jax.device_get(
     jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(tr["draft"], tr["policy"])
   )
@@ -161,7 +163,7 @@ def test_distillation_loss_on_shards_equals_the_dense_oracle(setup):
     logits, taps = pol.forward(
       tr["policy"], pcfg, nat["tokens"], nat["positions"], nat["segment_ids"], attention="dense"
     )
-    return drafts.natural_loss(d, dcfg, tr["policy"], pcfg, taps.layers, logits, nat)
+    return oracles.draft_loss(d, dcfg, tr["policy"], pcfg, taps.layers, logits, nat)
 
   (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr["draft"])
   (l1, m1), (g1, gp1) = _draft_loss(dcfg, pcfg, tr, sequence.lay_out(batch, 1))
@@ -197,10 +199,10 @@ def test_cotrain_step_contract(setup):
   laid = sequence.lay_out(_batch(), 1)
 
   def loss(tr, lam, train_draft=True, part=None):
-    total, m = step_lib.cotrain_loss(
-      tr, laid, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=lam, train_draft=train_draft,
-      max_tokens=24, vocab_chunk=8,
-    )  # fmt: skip
+    spec = StepSpec.of(
+      pcfg, dcfg, c.rl, lam=lam, train_draft=train_draft, max_tokens=24, vocab_chunk=8
+    )
+    total, m = step_lib.cotrain_loss(tr, laid, spec)
     return {"total": total, "draft": m["draft_loss"] if train_draft else 0.0}[part], m
 
   grad = lambda f: jax.jit(jax.grad(f, has_aux=True))(tr)[0]
@@ -434,7 +436,7 @@ def test_dspark_without_its_markov_head_is_the_zero_head():
   logits, taps = pol.forward(
     params, pcfg, nat["tokens"], nat["positions"], nat["segment_ids"], attention="dense"
   )
-  loss = lambda dp, cfg: drafts.natural_loss(dp, cfg, params, pcfg, taps.layers, logits, nat)[0]
+  loss = lambda dp, cfg: oracles.draft_loss(dp, cfg, params, pcfg, taps.layers, logits, nat)[0]
 
   vg = jax.jit(jax.value_and_grad(loss), static_argnums=1)  # op by op it is ~20 s more
   (la, ga), (lb, gb) = vg(zero, dcfg), vg(bare, dcfg0)
@@ -517,10 +519,10 @@ def test_cotrain_step_on_the_last_pipeline_stage_equals_single_device():
   spec = pipelined.PipelineSpec(microbatches=2, tap_mode="direct", remat=True)
 
   def value_and_grad(b, mesh=None, pipeline=None):
-    loss = lambda t: step_lib.cotrain_loss(
-      t, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, mesh=mesh, pipeline=pipeline,
-      max_tokens=24, vocab_chunk=8,
-    )  # fmt: skip
+    spec = StepSpec.of(
+      pcfg, dcfg, c.rl, lam=1.0, mesh=mesh, pipeline=pipeline, max_tokens=24, vocab_chunk=8
+    )
+    loss = lambda t: step_lib.cotrain_loss(t, b, spec)
     return jax.device_get(jax.jit(jax.value_and_grad(loss, has_aux=True))(tr))
 
   (l1, m1), g1 = value_and_grad(sequence.lay_out(batch, 1))

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from specdraft import oracles
 from specdraft.attention import blockwise as bw
 from specdraft.attention import branch_attention, reference
 from specdraft.attention.api import context_parallel
@@ -408,7 +409,6 @@ def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
   from specdraft.model import eagle3
   from specdraft.model import policy as pol
   from specdraft.parallel import mesh as mesh_lib
-  from specdraft.train import draft as draft_lib
 
   c = default_config.get_config("smoke,layout=cp4_dp2")
   pcfg = pol.PolicyConfig.from_config(c.model, 99)
@@ -430,9 +430,7 @@ def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
   mesh = mesh_lib.make_mesh(c.parallel)
 
   def run(impl):
-    f = lambda d: draft_lib.draft_loss_on_batch(
-      d, params, pcfg, dcfg, batch, attn_impl=impl, mesh=mesh
-    )
+    f = lambda d: oracles.distill_loss(d, params, pcfg, dcfg, batch, attn_impl=impl, mesh=mesh)
     return jax.jit(jax.value_and_grad(f, has_aux=True))(dparams)
 
   (l1, m1), g1 = run("dense")
@@ -441,4 +439,4 @@ def test_ttt_draft_loss_and_grads_under_cp_equal_single_device():
   assert set(m4) == set(m1)
   tol.assert_grads_close(g4, g1, rtol=1e-4)
   with pytest.raises(ValueError, match="impl='ring' needs a mesh"):
-    draft_lib.draft_loss_on_batch(dparams, params, pcfg, dcfg, batch, attn_impl="ring")
+    oracles.distill_loss(dparams, params, pcfg, dcfg, batch, attn_impl="ring")

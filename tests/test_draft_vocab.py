@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from specdraft import config as config_lib
+from specdraft import oracles
 from specdraft.decode import autoregressive, speculative
 from specdraft.model import drafts, eagle3
 from specdraft.model import policy as pol
@@ -95,7 +96,7 @@ def test_the_ttt_loss_is_the_loss_over_the_restricted_policy_distribution():
   oracle_cfg = eagle3.DraftConfig(**{**dcfg.__dict__, "vocab_size": V, "vocab_ids": None})
 
   def loss(d, cfg, logits):
-    return eagle3.ttt_loss(d, cfg, params["embed"], taps, logits, tokens, positions, seg, mask)
+    return oracles.ttt_loss(d, cfg, params["embed"], taps, logits, tokens, positions, seg, mask)
 
   # jitted: op by op, the TTT loop's backward dispatches (and compiles) every small op
   vg = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)

@@ -21,6 +21,7 @@ from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import EOS
 from specdraft.train import draft as draft_lib
 from specdraft.train import sequence
+from specdraft.train.spec import StepSpec
 
 V, N = 16, 14  # vocabulary, new tokens per row
 
@@ -98,7 +99,8 @@ def setup(request):
   tx = optax.adam(1e-2)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
   laid = sequence.lay_out(batch, 1)
-  step = jax.jit(lambda s: draft_lib.draft_train_step(s, params, laid, pcfg=pcfg, dcfg=dcfg, tx=tx))
+  spec = StepSpec.of(pcfg, dcfg, tx=tx)
+  step = jax.jit(lambda s: draft_lib.draft_train_step(s, params, laid, spec))
   for _ in range(40):
     st, _ = step(st)
   return pcfg, dcfg, params, st["params"], prompts, lengths, ar, batch

@@ -10,6 +10,7 @@ from specdraft.model import eagle3
 from specdraft.model import policy as pol
 from specdraft.rl import grpo
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 
 def test_group_advantages_by_hand():
@@ -114,12 +115,11 @@ def _parts(c, pcfg, dcfg, batch, **kw):
   """(dL_RL, dL_draft) w.r.t. {policy, draft}, computed separately."""
 
   def rl_only(tr):
-    return step_lib.cotrain_loss(
-      tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=0.0, train_draft=False, **kw
-    )[0]
+    spec = StepSpec.of(pcfg, dcfg, c.rl, lam=0.0, train_draft=False, **kw)
+    return step_lib.cotrain_loss(tr, batch, spec)[0]
 
   def draft_only(tr):
-    _, m = step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, **kw)
+    _, m = step_lib.cotrain_loss(tr, batch, StepSpec.of(pcfg, dcfg, c.rl, lam=1.0, **kw))
     return m["draft_loss"]
 
   return rl_only, draft_only
@@ -156,7 +156,7 @@ def test_lambda_zero_policy_update_is_bit_identical_to_rl_only(setup):
     if train_draft not in steps:  # lam is an argument: "co" and "co1" share one program
       steps[train_draft] = jax.jit(
         lambda s, b, lam, tx=tx, td=train_draft: step_lib.cotrain_step(
-          s, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, tx=tx, lam=lam, train_draft=td
+          s, b, StepSpec.of(pcfg, dcfg, c.rl, tx=tx, lam=lam, train_draft=td)
         )
       )
     for _ in range(2):
@@ -220,9 +220,8 @@ def test_cotrain_step_runs_one_policy_forward(setup):
   tr = {"policy": params, "draft": dparams}
 
   def scans(train_draft, lam):
-    loss = lambda t: step_lib.cotrain_loss(
-      t, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=lam, train_draft=train_draft
-    )[0]
+    spec = StepSpec.of(pcfg, dcfg, c.rl, lam=lam, train_draft=train_draft)
+    loss = lambda t: step_lib.cotrain_loss(t, batch, spec)[0]
     fwd = jax.make_jaxpr(loss)(tr).jaxpr
     bwd = jax.make_jaxpr(jax.grad(loss))(tr).jaxpr
     ff = (pcfg.d_model, pcfg.d_ff)
@@ -235,7 +234,7 @@ def test_cotrain_step_runs_one_policy_forward(setup):
   assert co_fwd == rl_fwd and co_bwd == rl_bwd
 
   def twice(t):  # negative control: a second policy forward shows up in the count
-    a = step_lib.cotrain_loss(t, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0)[0]
+    a = step_lib.cotrain_loss(t, batch, StepSpec.of(pcfg, dcfg, c.rl, lam=1.0))[0]
     logits, _ = pol.forward(t["policy"], pcfg, batch["tokens"])
     return a + logits.mean()
 

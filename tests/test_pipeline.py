@@ -18,6 +18,7 @@ from specdraft.parallel import pipeline as pipe
 from specdraft.parallel.tap import TapChannel, TapPlan
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 TAPS = (1, 3, 4, 6)  # P=2: stage 0 holds two taps (one buffer), stage 1 one of its own
 #                      P=4: one tap on every stage, the last stage's never travels
@@ -84,7 +85,8 @@ def _unpipelined_per_microbatch(pcfg, theta, batch, M):
 
 
 def _sft_grad(pcfg, batch, **kw):
-  return jax.jit(jax.value_and_grad(lambda th: step_lib.sft_loss(th, pcfg, batch, **kw)[0]))
+  spec = StepSpec.of(pcfg, **kw)
+  return jax.jit(jax.value_and_grad(lambda th: step_lib.sft_loss(th, batch, spec)[0]))
 
 
 # ----------------------------------------------------------------------------- plan and schedule
@@ -254,7 +256,8 @@ def cotrain_setup(setup):
 
 
 def _cotrain_grad(c, pcfg, dcfg, batch, **kw):
-  f = lambda tr: step_lib.cotrain_loss(tr, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, **kw)
+  spec = StepSpec.of(pcfg, dcfg, c.rl, lam=1.0, **kw)
+  f = lambda tr: step_lib.cotrain_loss(tr, batch, spec)
   return jax.jit(jax.value_and_grad(f, has_aux=True))
 
 
@@ -284,15 +287,15 @@ def test_cotrain_step_under_pp4_dp2_equals_single_device(cotrain_setup):
   tx = step_lib.make_cotrain_optimizer(rl_cfg, c.draft)
   state = {"step": 0, "params": tr, "opt_state": tx.init(tr)}
   spec = pipelined.PipelineSpec(microbatches=4, tap_mode="direct", tap_delay=True, remat=True)
-  kw_all = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=1.0, ref_params=ref)
   outs = {}
   for name, kw in (("single", {}), ("pp4_dp2", dict(mesh=mesh, pipeline=spec))):
     # The step and its gradients in one program, the forward/backward traced once.
-    loss = lambda t, b, kw=kw: step_lib.cotrain_loss(t, b, **kw_all, **kw)
+    step_spec = StepSpec.of(pcfg, dcfg, rl_cfg, lam=1.0, **kw)
+    loss = lambda t, b, sp=step_spec: step_lib.cotrain_loss(t, b, sp, ref)
 
     def f(s, b, loss=loss):
       (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(s["params"], b)
-      return step_lib.apply_gradients(s, grads, metrics, tx), grads
+      return step_lib.apply_update(s, grads, metrics, tx, norms=None), grads
 
     f = jax.jit(f)
     sh_batch = (
@@ -336,7 +339,7 @@ def _grad_permutes(pcfg, theta, batch, *, mode="direct", stop=True):
     pcfg=pcfg,
     mesh=mesh,
     spec=spec,
-    shards=sequence.Shards(),
+    ops=sequence.ShardOps(),
     stop_tap_gradient=stop,
   )[0]
   # value_and_grad: the loss (which reads the taps) is an output, so the taps must travel

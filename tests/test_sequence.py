@@ -2,7 +2,7 @@
 
 - at cp = 1 the step (tiled attention, vocabulary in chunks, shifted GRPO inputs) equals the dense
   natural-order oracle (`policy.forward(attention="dense")` with full logits and
-  `step.cotrain_objective`) in loss, every metric and gradient, for every GRPO aggregation with
+  `oracles.cotrain_loss`) in loss, every metric and gradient, for every GRPO aggregation with
   the KL term on;
 - under cp2, cp4, cp8, cp4_dp2, tp2_cp2_dp2 and pp2_cp2_dp2 (every pipeline stage through the
   trunk ring, the objective on the last stage's shards) the whole co-training step (loss,
@@ -12,8 +12,6 @@
   has S*V when the vocabulary is chunked (each with a negative control).
 """
 
-import functools
-
 import _tolerance as tol
 import jax
 import jax.numpy as jnp
@@ -22,11 +20,14 @@ import pytest
 from _hlo import largest_array
 
 from configs import default as default_config
+from specdraft import oracles
 from specdraft.model import eagle3, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import mesh as mesh_lib
+from specdraft.train import draft as draft_lib
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 AGGREGATIONS = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale")
 
@@ -68,19 +69,11 @@ def _rl(c, aggregation):
 
 
 def _loss(c, pcfg, dcfg, ref, aggregation, mesh=None, vocab_chunk=8, pipeline=None):
-  return lambda tr, b: step_lib.cotrain_loss(
-    tr,
-    b,
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=_rl(c, aggregation),
-    lam=1.0,
-    ref_params=ref,
-    mesh=mesh,
-    pipeline=pipeline,
-    max_tokens=24,
+  spec = StepSpec.of(
+    pcfg, dcfg, _rl(c, aggregation), lam=1.0, mesh=mesh, pipeline=pipeline, max_tokens=24,
     vocab_chunk=vocab_chunk,
-  )
+  )  # fmt: skip
+  return lambda tr, b: step_lib.cotrain_loss(tr, b, spec, ref)
 
 
 def _assert_metrics_close(got, want, rtol=1e-5, err=""):
@@ -100,7 +93,7 @@ def test_step_at_cp1_equals_the_dense_oracle(setup, aggregation):
     ref_logits, _ = pol.forward(ref, pcfg, *args, attention="dense")
     ref_logp = step_lib.completion_logprobs(ref_logits, nat["tokens"])
     rl = _rl(c, aggregation)
-    return step_lib.cotrain_objective(
+    return oracles.cotrain_loss(
       tr["policy"], tr["draft"], logits, taps, nat, ref_logp, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl,
       lam=1.0,
     )  # fmt: skip
@@ -128,14 +121,13 @@ def test_step_at_cp1_equals_the_dense_oracle_under_truncated_sampling(setup):
   def oracle(tr):
     args = (nat["tokens"], nat["positions"], nat["segment_ids"])
     logits, taps = pol.forward(tr["policy"], pcfg, *args, attention="dense")
-    return step_lib.cotrain_objective(
+    return oracles.cotrain_loss(
       tr["policy"], tr["draft"], logits, taps, nat, None, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl, lam=1.0
     )
 
   def step(tr, b):
-    return step_lib.cotrain_loss(
-      tr, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl, lam=1.0, max_tokens=24, vocab_chunk=8
-    )
+    spec = StepSpec.of(pcfg, dcfg, rl, lam=1.0, max_tokens=24, vocab_chunk=8)
+    return step_lib.cotrain_loss(tr, b, spec)
 
   (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr)
   (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(tr, sequence.lay_out(batch, 1))
@@ -171,7 +163,7 @@ def _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, batch, mesh=None):
 
   def both(state, b):
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], b)
-    new, _ = step_lib.apply_gradients(state, grads, metrics, tx)
+    new, _ = step_lib.apply_update(state, grads, metrics, tx, norms=None)
     return ((value, metrics), grads), new["params"]
 
   return jax.device_get(jax.jit(both)(state, batch))
@@ -278,9 +270,8 @@ def test_no_quadratic_or_vocabulary_sized_buffer_in_the_step():
   b["positions"][:] = np.arange(S)
 
   def compiled_text(vocab_chunk):
-    loss = lambda t, b: step_lib.cotrain_loss(
-      t, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, vocab_chunk=vocab_chunk, attn_tile=256
-    )[0]
+    spec = StepSpec.of(pcfg, dcfg, c.rl, lam=1.0, vocab_chunk=vocab_chunk, attn_tile=256)
+    loss = lambda t, b: step_lib.cotrain_loss(t, b, spec)[0]
     return jax.jit(jax.grad(loss)).lower(tr, b).compile().as_text()
 
   chunked = largest_array(compiled_text(256))
@@ -313,9 +304,8 @@ def test_remat_changes_the_memory_not_the_step(setup):
   b = sequence.lay_out(_batch(B=2, S=256), 1)
 
   def grads(remat):
-    loss = lambda t, b: step_lib.cotrain_loss(
-      t, b, pcfg=pcfg, dcfg=dcfg, rl_cfg=c.rl, lam=1.0, vocab_chunk=64, remat=remat
-    )
+    spec = StepSpec.of(pcfg, dcfg, c.rl, lam=1.0, vocab_chunk=64, remat=remat)
+    loss = lambda t, b: step_lib.cotrain_loss(t, b, spec)
     f = jax.jit(jax.value_and_grad(loss, has_aux=True))
     return f.lower(tr, b).compile(), f(tr, b)
 
@@ -332,10 +322,10 @@ def test_draft_distillation_under_cp_equals_single_device(setup):
   the single-device value, and the policy gets no gradient from it."""
   c, pcfg, dcfg, tr, _, batch = setup
   mesh, rules = _mesh("cp4_dp2")
-  body = functools.partial(sequence.draft_body, pcfg=pcfg, dcfg=dcfg, vocab_chunk=8)
 
   def run(b, mesh=None):
-    loss = lambda d, p: sequence.run(body, mesh, (d, p), b)
+    spec = StepSpec.of(pcfg, dcfg, mesh=mesh, vocab_chunk=8)
+    loss = lambda d, p: draft_lib.draft_loss(d, p, b, spec)
     return jax.device_get(
       jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(tr["draft"], tr["policy"])
     )

@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from specdraft import oracles
 from specdraft.decode import autoregressive, rejection, speculative
 from specdraft.decode.sampling import Sampling, join_prompt_completion, logprob_at, probs_at
 from specdraft.model import eagle3
 from specdraft.model import policy as pol
+from specdraft.train.spec import StepSpec
 
 
 def small_models(V=16, L=4, std=0.02, seed=0, ttt_steps=4):
@@ -152,15 +154,16 @@ def test_ttt_loss_decreases_and_ignores_policy_gradient():
     "segment_ids": jnp.ones((2, 12), jnp.int32),
     "loss_mask": jnp.ones((2, 12)),
   }
-  g_policy = jax.jit(
-    jax.grad(lambda p: draft_lib.draft_loss_on_batch(dparams, p, pcfg, dcfg, batch)[0])
-  )(params)
+  g_policy = jax.jit(jax.grad(lambda p: oracles.distill_loss(dparams, p, pcfg, dcfg, batch)[0]))(
+    params
+  )
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(g_policy))
   import optax
 
   tx = optax.adam(3e-3)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
-  f = jax.jit(lambda s: draft_lib.draft_train_step(s, params, batch, pcfg=pcfg, dcfg=dcfg, tx=tx))
+  spec = StepSpec.of(pcfg, dcfg, tx=tx)
+  f = jax.jit(lambda s: draft_lib.draft_train_step(s, params, batch, spec))
   first = None
   for _ in range(30):
     st, m = f(st)

@@ -17,6 +17,7 @@ from specdraft.parallel.layout import Layout
 from specdraft.tasks.tokenizer import EOS, PAD
 from specdraft.train import loop
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 
 def _batch(seed, B=8, S=24, V=99):
@@ -69,8 +70,9 @@ def _two_sft_steps(c, parallel):
   bsh = layout.batch_sharding()
 
   def step_and_grads(s, b):  # sft_step's two halves, the forward/backward traced once
-    (_, metrics), grads = jax.value_and_grad(step_lib.sft_loss, has_aux=True)(s["params"], cfg, b)
-    return (*step_lib.apply_sft_gradients(s, grads, metrics, tx), grads)
+    spec = StepSpec.of(cfg)
+    (_, metrics), grads = jax.value_and_grad(step_lib.sft_loss, has_aux=True)(s["params"], b, spec)
+    return (*step_lib.apply_update(s, grads, metrics, tx), grads)
 
   f = jax.jit(step_and_grads, in_shardings=(sh, bsh), out_shardings=(sh, None, None))
   p0, b = jax.device_get(state["params"]), jax.device_put(_batch(1), bsh)
@@ -112,7 +114,7 @@ def test_sft_learns_a_fixed_batch():
   params = pol.init_params(cfg, 0)
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   batch = {k: jnp.asarray(v) for k, v in _batch(2).items()}
-  f = jax.jit(lambda s: step_lib.sft_step(s, batch, cfg=cfg, tx=tx))
+  f = jax.jit(lambda s: step_lib.sft_step(s, batch, StepSpec.of(cfg, tx=tx)))
   losses = []
   for _ in range(40):
     state, m = f(state)

@@ -107,6 +107,7 @@ def context_parallel(
   tile=512,
   custom_grad=True,
   layout="zigzag",
+  kernel=None,
   **ring_options,
 ):
   """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
@@ -115,7 +116,9 @@ def context_parallel(
 
   layout: "zigzag" (the whole row cut into 2*cp chunks) or "document" (the cut made per
   document, for packed rows; segment ids must then be a host array whose documents, padding
-  runs included, are multiples of 2*cp tokens long)."""
+  runs included, are multiples of 2*cp tokens long). kernel: None (the XLA tiles) or a
+  `kernels.KernelSettings`: every block through the fused Pallas kernel (the ring of
+  `kernels/ring.py`, or the all-gather path's block)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec
@@ -138,10 +141,22 @@ def context_parallel(
   args.append(_take_rows(pos_BS, perm_BS))
   body = ring.ring_attention_shard if impl == "ring" else ring.allgather_attention_shard
   kw = dict(branch=branch, axis_name=cp_axis, cp=cp, tile=tile)
-  if impl == "ring":
+  if kernel is not None and (ring_options or not custom_grad):
+    raise ValueError(
+      f"{sorted(ring_options) + ['custom_grad'] * (not custom_grad)} apply to the XLA tiles' "
+      "ring only (kernel given)"
+    )
+  if impl == "ring" and kernel is not None:
+    from specdraft.attention.kernels import ring as kernel_ring
+
+    body = kernel_ring.ring_attention_shard
+    kw = dict(branch=branch, axis_name=cp_axis, cp=cp, settings=kernel)
+  elif impl == "ring":
     kw.update(custom_grad=custom_grad, **ring_options)  # accumulate_dtype, skip_empty
   elif ring_options:
     raise ValueError(f"{sorted(ring_options)} apply to impl='ring' only (impl={impl!r})")
+  else:
+    kw.update(kernel=kernel)
   spec = PartitionSpec(None, cp_axis)  # every per-token array is sharded on its sequence axis
   fn = jax.shard_map(
     lambda *a: body(*a, **kw),

@@ -38,6 +38,22 @@ def block_mask(qr: Rows, kr: Rows):
   return same & (kr.pos[:, None, :] + strict <= qr.pos[:, :, None])
 
 
+def query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch: str):
+  """Every query of an anchor as consecutive rows (its trunk query, then its W branch queries):
+  q [B, L * R, H, D] (R = 1 + W) and their mask metadata, strict 1 for block-branch queries
+  (they see trunk keys strictly before their anchor)."""
+  B, L, H, D = q_BLHD.shape
+  R = 1 + q_BLWHD.shape[2]
+  q = jnp.concatenate([q_BLHD[:, :, None], q_BLWHD.astype(q_BLHD.dtype)], axis=2)
+  strict_R = jnp.asarray([0] + [int(branch == "block")] * (R - 1), jnp.int32)
+  rows = Rows(
+    jnp.repeat(pos_BL, R, axis=1),
+    jnp.repeat(seg_BL, R, axis=1),
+    jnp.broadcast_to(jnp.tile(strict_R, L), (B, L * R)),
+  )
+  return q.reshape(B, L * R, H, D), rows
+
+
 def tile_size(n: int, want: int) -> int:
   """The largest divisor of n that is <= want (tiles must divide the row count)."""
   t = max(1, min(n, want))

@@ -606,25 +606,11 @@ def ring_attention_shard(
 # ----------------------------------------------------------------------------- all-gather
 
 
-def _query_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch):
-  """All queries of an anchor as consecutive rows: [B, L*R, H, D] and their mask metadata."""
-  B, L, H, D = q_BLHD.shape
-  W = q_BLWHD.shape[2]
-  R = 1 + W
-  q = jnp.concatenate([q_BLHD[:, :, None], q_BLWHD.astype(q_BLHD.dtype)], axis=2)
-  strict = jnp.asarray([0] + [int(branch == "block")] * W, jnp.int32)
-  rows = bw.Rows(
-    jnp.repeat(pos_BL, R, axis=1),
-    jnp.repeat(seg_BL, R, axis=1),
-    jnp.broadcast_to(jnp.tile(strict, L), (B, L * R)),
-  )
-  return q.reshape(B, L * R, H, D), rows
-
-
 def allgather_attention_shard(
-  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile=512
+  q, k, v, q_br, k_br, v_br, seg, pos, *, branch, axis_name, cp, tile=512, kernel=None
 ):
-  """Baseline: gather the trunk K/V once, attend locally (autodiff backward)."""
+  """Baseline: gather the trunk K/V once, attend locally (autodiff backward through the XLA
+  tiles, or with `kernel` (a `kernels.KernelSettings`) the fused Pallas block and its backward)."""
   B, L, H, D = q.shape
   W = q_br.shape[2]
   R = 1 + W
@@ -633,8 +619,14 @@ def allgather_attention_shard(
     k_all, v_all, kr = g(k), g(v), bw.Rows(g(pos), g(seg))
   else:
     k_all, v_all, kr = k, v, bw.Rows(pos, seg)
-  qa, qrows = _query_rows(q, q_br, pos, seg, branch)
-  out, lse = bw.blk(qa, k_all, v_all, qrows, kr, tile_q=tile, tile_k=tile)
+  qa, qrows = bw.query_rows(q, q_br, pos, seg, branch)
+  if kernel is None:
+    out, lse = bw.blk(qa, k_all, v_all, qrows, kr, tile_q=tile, tile_k=tile)
+  else:
+    from specdraft.attention.kernels import flash
+
+    out, lse = flash.block_attention(qa, k_all, v_all, qrows, kr, settings=kernel)
+    out = out.astype(jnp.float32)
   out = out.reshape(B, L, R, H, D)
   lse = lse.reshape(B, H, L, R)
   if W:

@@ -53,6 +53,7 @@ from specdraft.tasks.tokenizer import CharTokenizer
 from specdraft.train import sequence
 from specdraft.train import state as state_lib
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 SFT_KEYS = ("tokens", "positions", "segment_ids", "loss_mask")
 QUANTITIES = ("argument_bytes", "output_bytes", "temp_bytes", "peak_bytes")
@@ -180,27 +181,23 @@ def _abstract(tree, shardings):
 # ----------------------------------------------------------------------------- programs
 
 
-def cotrain_program(s: Setup, lay: Layout, state_sh, batch_sh):
-  step = functools.partial(
-    step_lib.cotrain_step,
-    pcfg=s.pcfg,
-    dcfg=s.dcfg,
-    rl_cfg=s.rl_cfg,
-    tx=s.cotrain_tx,
-    lam=s.rl_cfg.lam,
-    mesh=lay.mesh,
-    pipeline=lay.pipeline,
-    **s.compute,
+def cotrain_spec(s: Setup, lay: Layout) -> StepSpec:
+  """The co-training step's spec under `lay` (the batch's length as the aggregation's budget)."""
+  return StepSpec.of(
+    s.pcfg, s.dcfg, s.rl_cfg, tx=s.cotrain_tx, mesh=lay.mesh, pipeline=lay.pipeline, **s.compute
   )
+
+
+def cotrain_program(s: Setup, lay: Layout, state_sh, batch_sh):
+  step = functools.partial(step_lib.cotrain_step, spec=cotrain_spec(s, lay))
   return jax.jit(
     step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
   )
 
 
 def sft_program(s: Setup, lay: Layout, state_sh, batch_sh):
-  step = functools.partial(
-    step_lib.sft_step, cfg=s.pcfg, tx=s.sft_tx, mesh=lay.mesh, pipeline=lay.pipeline, **s.compute
-  )
+  spec = StepSpec.of(s.pcfg, tx=s.sft_tx, mesh=lay.mesh, pipeline=lay.pipeline, **s.compute)
+  step = functools.partial(step_lib.sft_step, spec=spec)
   return jax.jit(
     step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
   )
@@ -262,16 +259,7 @@ def cotrain_grads(s: Setup, lay: Layout, trainable) -> tuple[dict, dict]:
   layout starts from bit-identical parameters."""
   _, state_sh = cotrain_state_shardings(s, lay)
   batch, batch_sh = laid_out_batch(s, lay)
-  loss = functools.partial(
-    step_lib.cotrain_loss,
-    pcfg=s.pcfg,
-    dcfg=s.dcfg,
-    rl_cfg=s.rl_cfg,
-    lam=s.rl_cfg.lam,
-    mesh=lay.mesh,
-    pipeline=lay.pipeline,
-    **s.compute,
-  )
+  loss = functools.partial(step_lib.cotrain_loss, spec=cotrain_spec(s, lay))
 
   def metrics_and_grads(tr, b):
     (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(tr, b)

@@ -23,12 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from specdraft import oracles
 from specdraft.bench import provenance
 from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.parallel.layouts import AXES
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 
 def _configs(config):
@@ -72,19 +74,12 @@ def _abstract_batch(B, S, mesh, cp):
 
 def _step_fn(config, pcfg, dcfg, tx, *, mesh, dense: bool):
   b = config.bench_long
-  kw = dict(
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=config.rl,
-    tx=tx,
-    lam=config.rl.lam,
-    max_tokens=None,
-    vocab_chunk=0 if dense else b.vocab_chunk,
-    attn_tile=b.attn_tile,
-    remat=b.remat,
-  )
   if not dense:
-    return functools.partial(step_lib.cotrain_step, mesh=mesh, **kw)
+    spec = StepSpec.of(
+      pcfg, dcfg, config.rl, tx=tx, mesh=mesh, vocab_chunk=b.vocab_chunk, attn_tile=b.attn_tile,
+      remat=b.remat,
+    )  # fmt: skip
+    return functools.partial(step_lib.cotrain_step, spec=spec)
   return functools.partial(dense_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx)
 
 
@@ -110,7 +105,7 @@ def dense_step(state, batch, *, pcfg, dcfg, rl_cfg, tx):
     theta, phi = trainable["policy"], trainable["draft"]
     args = (batch["tokens"], batch["positions"], batch["segment_ids"])
     logits, taps = pol.forward(theta, pcfg, *args, attention="dense")
-    return step_lib.cotrain_objective(
+    return oracles.cotrain_loss(
       theta, phi, logits, taps, batch, pcfg=pcfg, dcfg=dcfg, rl_cfg=rl_cfg, lam=1.0
     )
 
@@ -169,13 +164,15 @@ def measure_time(config) -> dict:
     "logprobs": -rng.uniform(0.1, 3.0, (t.batch, S)).astype(np.float32),
     "advantages": rng.normal(size=t.batch).astype(np.float32),
   }
-  kw = dict(pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx, lam=config.rl.lam)
-  kw.update(vocab_chunk=config.bench_long.vocab_chunk, attn_tile=t.attn_tile)
+  spec = StepSpec.of(
+    pcfg, dcfg, config.rl, tx=tx, vocab_chunk=config.bench_long.vocab_chunk,
+    attn_tile=t.attn_tile,
+  )  # fmt: skip
   fns, args = {}, {}
   for cp in t.cps:
     mesh = cp_mesh(cp)
     rules = [("batch", None), ("length", "cp")]
-    fns[cp] = jax.jit(functools.partial(step_lib.cotrain_step, mesh=mesh, **kw))
+    fns[cp] = jax.jit(functools.partial(step_lib.cotrain_step, spec=spec.replace(mesh=mesh)))
     state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
     args[cp] = (state, sequence.shard(sequence.lay_out(batch, cp), mesh, rules))
     jax.block_until_ready(fns[cp](*args[cp]))  # compile + warm-up

@@ -29,6 +29,7 @@ from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import CharTokenizer
 from specdraft.train import sequence
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 
 def synthetic_batch(B: int, S: int, V: int, seed: int = 0):
@@ -57,27 +58,18 @@ def _programs(config, pcfg, dcfg, batch, *, vocab_chunk: int, attn_tile: int):
   for name, train_draft in (("rl_only", False), ("cotrain", True)):
     tx = step_lib.make_cotrain_optimizer(config.rl, config.draft, train_draft=train_draft)
     tr = {"policy": params, "draft": dparams}
-    fns[name] = jax.jit(
-      functools.partial(
-        step_lib.cotrain_step,
-        pcfg=pcfg,
-        dcfg=dcfg,
-        rl_cfg=config.rl,
-        tx=tx,
-        lam=config.rl.lam,
-        train_draft=train_draft,
-        vocab_chunk=vocab_chunk,
-        attn_tile=attn_tile,
-      )
-    )
+    spec = StepSpec.of(
+      pcfg, dcfg, config.rl, tx=tx, train_draft=train_draft, vocab_chunk=vocab_chunk,
+      attn_tile=attn_tile,
+    )  # fmt: skip
+    fns[name] = jax.jit(functools.partial(step_lib.cotrain_step, spec=spec))
     args[name] = ({"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}, batch)
-  sh = sequence.Shards(tile=attn_tile)
-  h, taps = jax.jit(lambda th, b: sequence.policy_hidden(th, pcfg, b, sh))(params, batch)
+  ops = sequence.ShardOps(tile=attn_tile)
+  h, taps = jax.jit(lambda th, b: sequence.policy_hidden(th, pcfg, b, ops))(params, batch)
+  spec = StepSpec.of(pcfg, dcfg, vocab_chunk=vocab_chunk, attn_tile=attn_tile)
 
   def draft_alone(phi, theta, h, taps, b):
-    loss = lambda ph: sequence.draft_terms(
-      sh, theta, ph, h, taps, b, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk
-    )[0]
+    loss = lambda ph: sequence.draft_terms(spec, ops, theta, ph, h, taps, b, None)[0]
     return jax.value_and_grad(loss)(phi)
 
   fns["draft_alone"] = jax.jit(draft_alone)

@@ -26,6 +26,7 @@ from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import pipeline as pipe
 from specdraft.parallel.tap import TapChannel, TapPlan
 from specdraft.train import step as step_lib
+from specdraft.train.spec import StepSpec
 
 MODES = (("off", False), ("direct", False), ("direct", True), ("bulk", False), ("hop", False))
 
@@ -68,14 +69,11 @@ def correctness(config, case) -> dict:
   recv_eq_unpiped, recv_eq_sent = _taps_exact(pcfg, tr["policy"], batch, mesh, P, M)
   tx = step_lib.make_cotrain_optimizer(config.rl, config.draft)
   state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
-  step = functools.partial(
-    step_lib.cotrain_step, pcfg=pcfg, dcfg=dcfg, rl_cfg=config.rl, tx=tx, lam=config.rl.lam
-  )
+  spec = StepSpec.of(pcfg, dcfg, config.rl, tx=tx)
+  step = lambda sp: jax.jit(functools.partial(step_lib.cotrain_step, spec=sp))  # noqa: E731
   outs = {
-    mode: jax.jit(
-      functools.partial(
-        step, mesh=mesh, pipeline=pipelined.PipelineSpec(microbatches=M, tap_mode=mode)
-      )
+    mode: step(
+      spec.replace(mesh=mesh, pipeline=pipelined.PipelineSpec(microbatches=M, tap_mode=mode))
     )(state, batch)
     for mode in ("direct", "off")
   }
@@ -87,7 +85,7 @@ def correctness(config, case) -> dict:
     )
   )
   same_rl = all(np.array_equal(m_on[k], m_off[k]) for k in ("rl_loss", "entropy") if k in m_on)
-  single = jax.jit(step)(state, batch)  # against the single-device step
+  single = step(spec)(state, batch)  # against the single-device step
   rel = max(
     abs(float(m_on[k]) - float(single[1][k])) / max(abs(float(single[1][k])), 1e-6)
     for k in ("loss", "draft_loss", "policy_grad_norm", "draft_grad_norm")
@@ -136,16 +134,8 @@ def run_case(config, case, repeats: int) -> dict:
   b = case["batch"] // M
   tap_shape = (b, case["seq_len"], pcfg.d_model)
   tapped = TapChannel(plan, "bulk").tapped_bytes(tap_shape, jnp.float32, M)
-  step = functools.partial(
-    step_lib.cotrain_step,
-    pcfg=pcfg,
-    dcfg=dcfg,
-    rl_cfg=config.rl,
-    tx=tx,
-    lam=config.rl.lam,
-    mesh=mesh,
-  )
-  fns, rows = _compile_modes(step, state, batch, M, case.get("remat", False))
+  spec = StepSpec.of(pcfg, dcfg, config.rl, tx=tx, mesh=mesh)
+  fns, rows = _compile_modes(spec, state, batch, M, case.get("remat", False))
   off_total = rows["off"]["permute_bytes"]["total_bytes"]
   for row in rows.values():
     row["tap_wire_bytes"] = row["permute_bytes"]["total_bytes"] - off_total
@@ -177,15 +167,17 @@ def run_case(config, case, repeats: int) -> dict:
   return out
 
 
-def _compile_modes(step, state, batch, M: int, remat: bool):
-  """Every tap mode's step compiled and warmed up: ({mode: compiled}, {mode: row with compile
-  time, peak bytes, collective-permute bytes and an empty list of times})."""
+def _compile_modes(spec, state, batch, M: int, remat: bool):
+  """Every tap mode's co-training step (`spec` with that mode's pipeline) compiled and warmed
+  up: ({mode: compiled}, {mode: row with compile time, peak bytes, collective-permute bytes and
+  an empty list of times})."""
   fns, rows = {}, {}
   for mode, delay in MODES:
     name = mode_name(mode, delay)
-    spec = pipelined.PipelineSpec(microbatches=M, tap_mode=mode, tap_delay=delay, remat=remat)
+    pipe_spec = pipelined.PipelineSpec(microbatches=M, tap_mode=mode, tap_delay=delay, remat=remat)
+    step = functools.partial(step_lib.cotrain_step, spec=spec.replace(pipeline=pipe_spec))
     t0 = time.perf_counter()
-    compiled = jax.jit(functools.partial(step, pipeline=spec)).lower(state, batch).compile()
+    compiled = jax.jit(step).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     perms = hlo_lib.collective_permutes(compiled.as_text())
     jax.block_until_ready(compiled(state, batch))  # warm-up

@@ -279,7 +279,7 @@ def block_hidden(dp, cfg, embed_table, taps_NBSE, tokens_BS, positions_BS, *, at
   """Draft hidden states of every anchor's block [B, S, W, E] (before the final norm).
 
   `attend(k_ctx, v_ctx, q_br, k_br, v_br) -> out_br` is the block branch attention on these rows
-  (`attend_dense` in natural order, `Shards.block_branch` on sequence shards)."""
+  (`attend_dense` in natural order, `ShardOps.block_branch` on sequence shards)."""
   ctx = context(dp, taps_NBSE, cfg)
   h = block_inputs(dp, cfg, embed_table, tokens_BS)
   W = cfg.block_size
@@ -394,32 +394,6 @@ def _slot_terms(dp, cfg, head_w_EV, h_BSE, target_BSX, prev_BS, policy_head, chu
     return ce, l1, jnp.argmax(dl, -1) == jnp.argmax(tl, -1)
 
   return chunked.over_chunks(per_chunk, chunk, target_BSX, h_BSE, prev_BS, params=params)
-
-
-def block_loss(
-  dp,
-  cfg: BlockDraftConfig,
-  embed_table,
-  head_w_EV,
-  taps_NBSE,
-  policy_logits_BSV,
-  tokens_BS,
-  positions_BS,
-  segment_ids_BS,
-  loss_mask_BS,
-  *,
-  attn_impl: str = "dense",
-  mesh=None,
-):
-  """The block loss on natural-order rows with whole-row logits: the oracle of the sequence-shard
-  path (`train/sequence.py::draft_terms`)."""
-  from specdraft.model.eagle3 import natural_shift
-
-  return block_loss_on_shard(
-    dp, cfg, embed_table, head_w_EV, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS,
-    segment_ids_BS, loss_mask_BS, shift=natural_shift,
-    attend=attend_dense(segment_ids_BS, impl=attn_impl, mesh=mesh), total=jnp.sum,
-  )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- drafting

@@ -94,8 +94,8 @@ def loss_on_shard(
 ):  # fmt: skip
   """The draft's loss on one shard from global sums: EAGLE-3's TTT loss or the block loss.
 
-  `attend` is the shard's attention for the draft's kind (`Shards.branch` or
-  `Shards.block_branch`, train/sequence.py)."""
+  `attend` is the shard's attention for the draft's kind (`ShardOps.branch` or
+  `ShardOps.block_branch`, train/sequence.py)."""
   args = (batch["tokens"], batch["positions"], batch["segment_ids"], batch["loss_mask"])
   common = dict(
     shift=shift, attend=attend, total=total, policy_head=policy_head,
@@ -107,22 +107,3 @@ def loss_on_shard(
       dp, dcfg, theta["embed"], head_w, taps_NBSE, policy_BSX, *args, **common
     )
   return eagle3.ttt_loss_on_shard(dp, dcfg, theta["embed"], taps_NBSE, policy_BSX, *args, **common)
-
-
-def natural_loss(
-  dp, dcfg, theta, pcfg, taps_NBSE, policy_logits_BSV, batch, *, attn_impl="dense", mesh=None
-):
-  """The draft's loss on natural-order rows with whole-row policy logits (the oracles)."""
-  args = (
-    jax.lax.stop_gradient(policy_logits_BSV),
-    batch["tokens"],
-    batch["positions"],
-    batch["segment_ids"],
-    batch["loss_mask"],
-  )
-  if is_block(dcfg):
-    head_w = pol.head_weight(theta, pcfg)
-    return dflash.block_loss(
-      dp, dcfg, theta["embed"], head_w, taps_NBSE, *args, attn_impl=attn_impl, mesh=mesh
-    )
-  return eagle3.ttt_loss(dp, dcfg, theta["embed"], taps_NBSE, *args, attn_impl=attn_impl, mesh=mesh)

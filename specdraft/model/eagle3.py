@@ -271,7 +271,7 @@ def attend_by_branch(branch_fn):
   """TTT attention through `branch_fn(q0, k0, v0, q_br, k_br, v_br) -> (out, out_br)` (the
   trunk + branch attention of attention/api.py): step k recomputes the trunk rows and every
   earlier branch row, O(K^2) rows in all. The oracle form, kept for the natural-order reference
-  losses (`ttt_forward`, `ttt_loss` with "dense" / "allgather").
+  losses (`ttt_forward`, `oracles.ttt_loss` with "dense" / "allgather").
   Returns attend(q0, k0, v0, qs, ks, vs) for `_ttt_hidden`."""
 
   def attend(q0, k0, v0, qs, ks, vs):
@@ -401,113 +401,6 @@ def ttt_forward(
     attend=attend,
   )
   return logits_of(dp, hs, cfg)
-
-
-def ttt_loss(
-  dp: Params,
-  cfg: DraftConfig,
-  embed_table,
-  taps_NBSE,
-  policy_logits_BSV,
-  tokens_BS,
-  positions_BS,
-  segment_ids_BS,
-  loss_mask_BS,
-  *,
-  attn_impl: str = "dense",
-  mesh=None,
-  cp_axis: str = "cp",
-):
-  """Soft cross-entropy to the (stop-gradient) policy distribution, step k weighted decay**k.
-
-  attn_impl="ring" runs the whole loss per shard over `cp_axis` on data laid out in zigzag order
-  once (`ttt_loss_cp`); "dense" and "allgather" run on natural-order arrays.
-  Returns (loss, metrics) with per-step top-1 agreement with the policy (`ttt_acc_k`).
-  """
-  args = (
-    dp,
-    cfg,
-    embed_table,
-    taps_NBSE,
-    policy_logits_BSV,
-    tokens_BS,
-    positions_BS,
-    segment_ids_BS,
-    loss_mask_BS,
-  )
-  if attn_impl == "ring":
-    return ttt_loss_cp(*args, mesh=mesh, cp_axis=cp_axis)
-  attend = attend_by_branch(
-    lambda *a: branch_attention(
-      *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
-    )
-  )
-  return ttt_loss_on_shard(*args, shift=natural_shift, attend=attend, total=jnp.sum)
-
-
-def ttt_loss_cp(
-  dp: Params,
-  cfg: DraftConfig,
-  embed_table,
-  taps_NBSE,
-  policy_logits_BSV,
-  tokens_BS,
-  positions_BS,
-  segment_ids_BS,
-  loss_mask_BS,
-  *,
-  mesh,
-  cp_axis="cp",
-):
-  """The TTT loss under context parallelism: every per-token array is padded and laid out in
-  zigzag order once; each shard shifts with `zigzag.shift_local`, attends with the ring's
-  per-shard function and contributes partial sums that are psum-ed over `cp_axis`."""
-  from jax.sharding import PartitionSpec
-
-  from specdraft.attention import ring
-  from specdraft.parallel import zigzag
-
-  if mesh is None or cp_axis not in mesh.shape:
-    raise ValueError(f"attn_impl='ring' needs a mesh with a {cp_axis!r} axis (got {mesh})")
-  cp = mesh.shape[cp_axis]
-  B, S = tokens_BS.shape
-  S_pad = zigzag.padded_length(S, cp)
-  lay = lambda x, axis=1: zigzag.to_zigzag(zigzag.pad(x, S_pad, axis), cp, axis)
-  gpos = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
-  names = ("logits", "tokens", "positions", "seg", "mask", "gpos")
-  per_token = (policy_logits_BSV, tokens_BS, positions_BS, segment_ids_BS, loss_mask_BS, gpos)
-  arrays = {k: lay(x) for k, x in zip(names, per_token)}
-  arrays["mask"] = arrays["mask"].astype(jnp.float32)
-  arrays["taps"] = lay(taps_NBSE, 2)
-
-  def body(dp, embed_table, a):
-    seg = a["seg"]
-    return ttt_loss_on_shard(
-      dp,
-      cfg,
-      embed_table,
-      *(a[k] for k in ("taps", "logits", "tokens", "positions", "seg", "mask")),
-      shift=lambda x, n, fill: zigzag.shift_local(x, n, axis_name=cp_axis, cp=cp, fill=fill),
-      attend=attend_by_merge(
-        lambda q, k, v: ring.trunk_attention_shard(
-          q, k, v, seg, a["gpos"], axis_name=cp_axis, cp=cp, return_lse=True
-        ),
-        seg,
-      ),
-      total=lambda x: jax.lax.psum(jnp.sum(x), cp_axis),
-    )
-
-  # [B, S, ...] arrays have their sequence axis over cp; the taps [N, B, S, E] their third
-  specs = {k: PartitionSpec(None, cp_axis) for k in names}
-  specs["taps"] = PartitionSpec(None, None, cp_axis)
-  fn = jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(PartitionSpec(), PartitionSpec(), specs),
-    out_specs=PartitionSpec(),
-    check_vma=False,
-  )
-  return fn(dp, embed_table, arrays)
 
 
 def shift_within_segment_logits(logits_BSV, segment_ids_BS, n: int):

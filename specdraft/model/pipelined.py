@@ -209,12 +209,12 @@ def forward(
 Objective = Callable[..., tuple[jax.Array, dict]]
 
 
-def _last_stage(objective, pcfg, shards, theta, extra, batch, outs, recv, ref_outs, ref):
+def _last_stage(objective, pcfg, ops, theta, extra, batch, outs, recv, ref_outs, ref):
   """The objective on the last stage, from the merged microbatches and the tapped features."""
   h = pol.final_hidden(theta, pipe.merge_microbatches(outs), pcfg)
   if ref_outs is not None:
     ref = (ref, jax.lax.stop_gradient(pipe.merge_microbatches(ref_outs)))
-  return objective(shards, theta, extra, h, _taps_from(recv), batch, ref)
+  return objective(ops, theta, extra, h, _taps_from(recv), batch, ref)
 
 
 def loss(
@@ -226,20 +226,20 @@ def loss(
   pcfg: pol.PolicyConfig,
   mesh,
   spec: PipelineSpec,
-  shards,
+  ops,
   stop_tap_gradient: bool = True,
   ref_theta=None,
 ):
   """Runs the policy as a pipeline and `objective` on the last stage; returns (loss, metrics).
 
-  objective(shards, theta, extra, h_BSE, taps_NBSE, batch, ref) -> (scalar loss, {name: scalar})
+  objective(ops, theta, extra, h_BSE, taps_NBSE, batch, ref) -> (scalar loss, {name: scalar})
   on this rank's sequence shard: h is the final normed hidden state, taps the tapped layers (as
   the TapChannel delivered them), ref None or (ref_theta, the reference policy's final hidden
   state) when `ref_theta` is given.
-  `shards` (a `train.sequence.Shards`) names the context-parallel axis and degree: with
-  shards.cp > 1 the shard_map is manual over 'pp' and the cp axis, every per-token array of
+  `ops` (a `train.sequence.ShardOps`) names the context-parallel axis and degree: with
+  ops.cp > 1 the shard_map is manual over 'pp' and the cp axis, every per-token array of
   `batch` (laid out once by `sequence.lay_out`) is sharded on its sequence axis, and every
-  stage attends through `shards.trunk()` (the ring); at cp = 1 the same tiled attention runs
+  stage attends through `ops.trunk()` (the ring); at cp = 1 the same tiled attention runs
   without collectives. `extra` (e.g. the draft's parameters) is visible on every stage; only the
   last stage's objective counts: at cp = 1 only the last stage evaluates it (`lax.cond`); under
   cp every stage evaluates it and keeps the last stage's (`pipeline.kept_on_stage`: collectives
@@ -252,10 +252,10 @@ def loss(
   plan = check(pcfg, spec, stages, tokens.shape[0])
   split = lambda x: pipe.split_microbatches(x, spec.microbatches)
   ax = spec.axis_name
-  cp_axis = shards.axis if shards.cp > 1 else None
+  cp_axis = ops.axis if ops.cp > 1 else None
 
   run = functools.partial(
-    _run, pcfg=pcfg, spec=spec, stages=stages, attend=shards.trunk(), constrain=shards.constrain
+    _run, pcfg=pcfg, spec=spec, stages=stages, attend=ops.trunk(), constrain=ops.constrain
   )
 
   def body(theta, extra, batch, ref_theta, tokens_M, pos_M, seg_M):
@@ -267,7 +267,7 @@ def loss(
       ref_theta = jax.lax.stop_gradient(ref_theta)
       ref_outs, _, _ = run(ref_theta, tokens_M, pos_M, seg_M, plan=None, stop_tap_gradient=True)
       ref_outs = pol.final_hidden(ref_theta, ref_outs, pcfg)
-    last_stage = functools.partial(_last_stage, objective, pcfg, shards)
+    last_stage = functools.partial(_last_stage, objective, pcfg, ops)
     # with collectives over 'cp' in the objective every stage evaluates it (see kept_on_stage)
     select = pipe.on_stage if cp_axis is None else pipe.kept_on_stage
     out = select(

@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from specdraft import config as config_lib
+from specdraft.attention.kernels.flash import KernelSettings
 from specdraft.decode import cost, engine
 from specdraft.decode.compare import decoding_figures
 from specdraft.decode.sampling import join_prompt_completion
@@ -44,6 +45,7 @@ from specdraft.train import state as state_lib
 from specdraft.train import step as step_lib
 from specdraft.train.evaluate import evaluate, prompt_len_for
 from specdraft.train.report import RunLog, progress
+from specdraft.train.spec import StepSpec
 
 
 class Context:
@@ -109,10 +111,10 @@ class Context:
       if config.sft.steps > 0:
         self._check_sft_rows()
     self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
-    # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not.
+    # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not;
+    # their rows padded so that the attention kernel's tiles divide them (config.attention)
     self.cp = self.layout.cp
-    cm = config.compute
-    self.compute = dict(vocab_chunk=cm.vocab_chunk, attn_tile=cm.attn_tile, remat=cm.remat)
+    self.row_multiple = sequence.row_multiple(KernelSettings.from_config(config.get("attention")))
     # Adaptive speculation (decode.speculation = auto): the acceptance each rollout's G choices
     # start from (updated after every rollout) and the cost model of a round (calibrated once).
     dec = config.decode
@@ -163,7 +165,9 @@ class Context:
     """The global training batch from this process's data shards ({shard j: host batch}), each
     laid out (padded, zigzag order over cp) on the host and placed on the mesh."""
     keep = lambda b: {k: v for k, v in b.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
-    laid = {j: sequence.lay_out(keep(b), self.cp) for j, b in blocks.items()}
+    laid = {
+      j: sequence.lay_out(keep(b), self.cp, multiple=self.row_multiple) for j, b in blocks.items()
+    }
     first = next(iter(laid.values()))
     rows = len(first["tokens"])
     shardings = sequence.batch_shardings(first, self.mesh, self.rules)
@@ -177,7 +181,7 @@ class Context:
     keep = {k: v for k, v in batch.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
     key = tuple((k, v.shape) for k, v in sorted(keep.items()))
     if key not in self._lay_out_jit:
-      lay = functools.partial(sequence.lay_out, cp=self.cp)
+      lay = functools.partial(sequence.lay_out, cp=self.cp, multiple=self.row_multiple)
       out = sequence.batch_shardings(jax.eval_shape(lay, keep), self.mesh, self.rules)
       self._lay_out_jit[key] = jax.jit(lay, out_shardings=out)
     return self._lay_out_jit[key](keep)
@@ -213,6 +217,14 @@ class Context:
       multihost.assemble(prompts, per, n, self.rows_sh),
       multihost.assemble(lengths, per, n, self.rows_sh1),
     )
+
+  def step_spec(self, phase: str, tx) -> StepSpec:
+    """The training step of `phase` ("sft", "draft", "rl") on this run's layout, with optimizer
+    `tx` (`train.spec.StepSpec.from_config`)."""
+    return StepSpec.from_config(
+      self.config, phase, pcfg=self.pcfg, dcfg=self.dcfg, tx=tx, mesh=self.mesh,
+      pipeline=self.pipeline,
+    )  # fmt: skip
 
   def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
     return ckpt_lib.Checkpointer(
@@ -421,17 +433,9 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
     ctx.pcfg, tx, ctx.layout, c.seed, init_from=c.model.get("init_from", "") or ""
   )
   sh = state_lib.state_shardings(state)
+  spec = ctx.step_spec("sft", tx)
   train_step = jax.jit(
-    functools.partial(
-      step_lib.sft_step,
-      cfg=ctx.pcfg,
-      tx=tx,
-      mesh=ctx.mesh,
-      pipeline=ctx.pipeline,
-      **ctx.compute,
-    ),
-    out_shardings=(sh, None),
-    donate_argnums=0,
+    functools.partial(step_lib.sft_step, spec=spec), out_shardings=(sh, None), donate_argnums=0
   )
   phase = Phase(
     name="sft",
@@ -473,18 +477,14 @@ def draft_phase(ctx: Context, params, stop_after: int | None = None):
   tx = step_lib.make_optimizer(dc, dc.pretrain_steps)
   state, sh = state_lib.keyed_state(tx, init_draft(ctx, params), ctx.layout, c.seed + 2)
   temps = rollout_temperatures(dc)
+  spec = ctx.step_spec("draft", tx)
   step_fns = {
     t: jax.jit(
       functools.partial(
         draft_lib.draft_iteration,
-        pcfg=ctx.pcfg,
-        dcfg=ctx.dcfg,
-        tx=tx,
+        spec=spec,
         max_new_tokens=c.decode.max_new_tokens,
         temperature=t,
-        mesh=ctx.mesh,
-        pipeline=ctx.pipeline,
-        **ctx.compute,
       ),
       out_shardings=(sh, None),
       donate_argnums=0,
@@ -524,21 +524,9 @@ def rl_phase(ctx: Context, params, dparams, stop_after: int | None = None):
   train_draft = c.rollout.draft == "cotrained"
   tx = step_lib.make_cotrain_optimizer(rl, c.draft, train_draft=train_draft)
   state, sh = rl_state(ctx, tx, params, dparams)
+  spec = ctx.step_spec("rl", tx)  # the draft trains in it exactly when train_draft
   train_step = jax.jit(
-    functools.partial(
-      step_lib.cotrain_step,
-      pcfg=ctx.pcfg,
-      dcfg=ctx.dcfg,
-      rl_cfg=rl,
-      tx=tx,
-      lam=rl.lam,
-      train_draft=train_draft,
-      ref_params=params if rl.beta > 0 else None,
-      mesh=ctx.mesh,
-      pipeline=ctx.pipeline,
-      max_tokens=rl.max_new_tokens or c.decode.max_new_tokens,
-      **ctx.compute,
-    ),
+    functools.partial(step_lib.cotrain_step, spec=spec, ref=params if rl.beta > 0 else None),
     out_shardings=(sh, None),
     donate_argnums=0,
   )

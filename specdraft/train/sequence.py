@@ -42,6 +42,9 @@ from specdraft.parallel import mesh as mesh_lib
 from specdraft.parallel import zigzag
 from specdraft.rl import grpo
 
+# The mesh axis of the context-parallel ring (train/sequence.py shards every token array over it).
+CP_AXIS = "cp"
+
 # Batch keys that have a sequence axis (axis 1); everything else (advantages) is per row.
 TOKEN_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "logprobs")
 
@@ -100,6 +103,12 @@ def cp_size(mesh, axis: str = "cp") -> int:
   return int(mesh.shape[axis]) if mesh is not None and axis in mesh.shape else 1
 
 
+def row_multiple(kernel) -> int:
+  """`lay_out`'s `multiple` for the attention kernel `kernel` (None: the XLA tiles, any length
+  serves; else `KernelSettings.row_multiple`)."""
+  return 1 if kernel is None else kernel.row_multiple()
+
+
 def check_laid_out(batch, cp: int) -> None:
   """Raises (before compiling) when the batch's length cannot be a zigzag layout over cp."""
   S = batch["tokens"].shape[1]
@@ -112,7 +121,7 @@ def check_laid_out(batch, cp: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Shards:
+class ShardOps:
   """The per-token operations of one shard: global shifts, sums and the attentions.
 
   cp = 1: natural order, plain sums, tiled attention without collectives."""
@@ -127,6 +136,9 @@ class Shards:
   # the attention's mask metadata whole on every device, so its tile loops' skip test is local
   # (None: one device); `parallel.mesh.metadata_constraint`
   whole: object = None
+  # the fused Pallas block (`attention.kernels.KernelSettings`) for every attention of the step,
+  # or None: the XLA tiles (`compute.attn_kernel`, config `attention.kernel`)
+  kernel: object = None
 
   def shift(self, x, n: int, fill=0):
     """x[t + n] in the row's global order (`fill` past the row's end)."""
@@ -147,6 +159,10 @@ class Shards:
   def trunk(self):
     """attend(q, k, v, positions, segment_ids): the policy layers' packed causal attention on
     this shard."""
+    if self.kernel is not None:
+      return lambda q, k, v, pos, seg: _kernel_ring().trunk_attention_shard(
+        q, k, v, seg, pos, axis_name=self.axis, cp=self.cp, settings=self.kernel
+      )
     return lambda q, k, v, pos, seg: ring.trunk_attention_shard(
       q, k, v, seg, pos, axis_name=self.axis, cp=self.cp, tile=self.tile, whole=self.whole
     )
@@ -154,6 +170,12 @@ class Shards:
   def branch(self, positions_BS, segment_ids_BS):
     """The draft's TTT attention on this shard (`eagle3.attend_by_merge`): each step's new rows
     ride the trunk ring once and merge by log-sum-exp with their rank-local branch keys."""
+    if self.kernel is not None:
+      trunk = lambda q, k, v: _kernel_ring().trunk_attention_shard(
+        q, k, v, segment_ids_BS, positions_BS, axis_name=self.axis, cp=self.cp,
+        settings=self.kernel, return_lse=True,
+      )  # fmt: skip
+      return eagle3.attend_by_merge(trunk, segment_ids_BS)
     trunk = lambda q, k, v: ring.trunk_attention_shard(
       q,
       k,
@@ -178,6 +200,12 @@ class Shards:
     def attend(k_ctx, v_ctx, q_br, k_br, v_br):
       # zeros shaped (and, under shard_map, varying) like the block queries
       q0 = jnp.zeros_like(q_br[:, :, 0])
+      if self.kernel is not None:
+        return _kernel_ring().ring_attention_shard(
+          q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS.astype(jnp.int32),
+          positions_BS.astype(jnp.int32), branch="block", axis_name=self.axis, cp=self.cp,
+          settings=self.kernel,
+        )[1]  # fmt: skip
       return ring.ring_attention_shard(
         q0, k_ctx, v_ctx, q_br, k_br, v_br, segment_ids_BS.astype(jnp.int32),
         positions_BS.astype(jnp.int32), branch="block", axis_name=self.axis, cp=self.cp,
@@ -187,35 +215,79 @@ class Shards:
     return attend
 
 
-def run(
-  body, mesh, params: tuple, batch: dict, *, cp_axis: str = "cp", tile: int = 512, remat=False
-):
-  """body(shards, *params, batch) -> (loss, metrics): on one shard at cp = 1, else inside one
-  shard_map over `cp_axis` with every per-token array sharded on its sequence axis."""
-  cp = cp_size(mesh, cp_axis)
+def _kernel_ring():
+  """attention/kernels/ring.py, imported where the fused block is asked for (it imports Pallas)."""
+  from specdraft.attention.kernels import ring as kernel_ring
+
+  return kernel_ring
+
+
+def run(objective, spec, params: tuple, batch: dict):
+  """The one runner of every training loss: (loss, metrics) of `objective` on `batch` under
+  `spec` (a `train.spec.StepSpec`), unsharded, over the 'cp' ring, or as a pipeline over 'pp'.
+
+  objective(spec, ops, theta, extra, h_BSE, taps_NBSE, batch, ref) -> (scalar loss,
+  {name: scalar}) on one shard: h the policy's final normed hidden state, taps its tapped layers,
+  ref None or (ref_theta, the reference policy's final hidden state). `params` = (theta, extra,
+  ref_theta): the policy, what else the objective differentiates or reads (the draft), and a
+  frozen reference policy (None: none; it runs the same forward, under stop_gradient).
+  Without a pipeline: at cp = 1 on one shard, else inside one shard_map over 'cp' with every
+  per-token array sharded on its sequence axis. With `spec.pipeline`: `model.pipelined.loss`
+  (every stage's layers through the trunk ring over 'cp', the taps to the last stage through the
+  TapChannel, the objective there)."""
+  theta, extra, ref_theta = params
+  mesh, tile, kernel = spec.mesh, spec.compute.attn_tile, spec.compute.attn_kernel
+  cp = cp_size(mesh)
   check_laid_out(batch, cp)
   pin = mesh_lib.activation_constraint(mesh)
   whole = mesh_lib.metadata_constraint(mesh)
   local = chunked.rows_local(mesh_lib.rows_local(mesh))
+  if spec.pipeline is not None:
+    from specdraft.model import pipelined
 
-  def on_shard(sh: Shards, *args):
-    return body(dataclasses.replace(sh, whole=_once_per_step(whole, args[-1])), *args)
-
-  if cp == 1:
+    over_cp = dict(cp=cp, axis=CP_AXIS) if cp > 1 else {}
+    ops = ShardOps(tile=tile, constrain=pin, whole=whole, kernel=kernel, **over_cp)
+    # the last stage's vocabulary loops run rows-local too: one reduction per loop
     with local:
-      return on_shard(Shards(tile=tile, remat=remat, constrain=pin), *params, batch)
-  tok = PartitionSpec(None, cp_axis)
+      return pipelined.loss(
+        theta,
+        extra,
+        batch,
+        functools.partial(objective, spec),
+        pcfg=spec.pcfg,
+        mesh=mesh,
+        spec=spec.pipeline,
+        ops=ops,
+        stop_tap_gradient=spec.stop_tap_gradient,
+        ref_theta=ref_theta,
+      )
+
+  def on_shard(ops: ShardOps, theta, extra, ref_theta, batch):
+    ops = dataclasses.replace(ops, whole=_once_per_step(whole, batch))
+    h, taps = policy_hidden(theta, spec.pcfg, batch, ops)
+    ref = None
+    if ref_theta is not None:
+      ref_theta = jax.lax.stop_gradient(ref_theta)
+      ref = (ref_theta, policy_hidden(ref_theta, spec.pcfg, batch, ops)[0])
+    return objective(spec, ops, theta, extra, h, taps, batch, ref)
+
+  remat = spec.compute.remat
+  if cp == 1:
+    ops = ShardOps(tile=tile, remat=remat, constrain=pin, kernel=kernel)
+    with local:
+      return on_shard(ops, theta, extra, ref_theta, batch)
+  tok = PartitionSpec(None, CP_AXIS)
   batch_specs = {k: tok if k in TOKEN_KEYS else PartitionSpec() for k in batch}
   fn = jax.shard_map(
-    functools.partial(on_shard, Shards(cp, cp_axis, tile, remat, pin)),
+    functools.partial(on_shard, ShardOps(cp, CP_AXIS, tile, remat, pin, kernel=kernel)),
     mesh=mesh,
-    in_specs=(*(PartitionSpec() for _ in params), batch_specs),
+    in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), batch_specs),
     out_specs=PartitionSpec(),
-    axis_names={cp_axis},
+    axis_names={CP_AXIS},
     check_vma=False,
   )
   with local:
-    return fn(*params, batch)
+    return fn(theta, extra, ref_theta, batch)
 
 
 def _once_per_step(whole, batch: dict):
@@ -236,39 +308,10 @@ def _once_per_step(whole, batch: dict):
   return once
 
 
-def run_pipelined(
-  objective, mesh, pipeline, theta, extra, batch, *, pcfg, tile: int = 512, **pipeline_options
-):
-  """`run` with the policy as a pipeline over 'pp' (`model.pipelined.loss`): every stage's
-  layers attend through the trunk ring over 'cp' and `objective(shards, theta, extra, h, taps,
-  batch, ref)` runs on the last stage's shards (`*_from_hidden` below)."""
-  from specdraft.model import pipelined
-
-  cp = cp_size(mesh)
-  check_laid_out(batch, cp)
-  pin = mesh_lib.activation_constraint(mesh)
-  whole = mesh_lib.metadata_constraint(mesh)
-  over_cp = dict(cp=cp, axis="cp") if cp > 1 else {}
-  shards = Shards(tile=tile, constrain=pin, whole=whole, **over_cp)
-  # the last stage's vocabulary loops run rows-local, as in `run`: one reduction per loop
-  with chunked.rows_local(mesh_lib.rows_local(mesh)):
-    return pipelined.loss(
-      theta,
-      extra,
-      batch,
-      objective,
-      pcfg=pcfg,
-      mesh=mesh,
-      spec=pipeline,
-      shards=shards,
-      **pipeline_options,
-    )
-
-
 # ----------------------------------------------------------------------------- the policy
 
 
-def policy_hidden(theta, pcfg, batch, sh: Shards):
+def policy_hidden(theta, pcfg, batch, ops: ShardOps):
   """(final normed hidden h_BSE, tapped layers x_NBSE) of this shard's rows."""
   pos, seg = batch["positions"], batch["segment_ids"]
   return pol.hidden(
@@ -277,9 +320,9 @@ def policy_hidden(theta, pcfg, batch, sh: Shards):
     batch["tokens"],
     pos,
     seg,
-    attend=sh.trunk(),
-    remat=sh.remat,
-    constrain=sh.constrain,
+    attend=ops.trunk(),
+    remat=ops.remat,
+    constrain=ops.constrain,
   )
 
 
@@ -294,111 +337,71 @@ def next_token_scores(theta, pcfg, h_BSE, next_BS, *, vocab_chunk: int, sampling
   return chunked.logprob_and_entropy(h_BSE, w, next_BS, chunk=vocab_chunk, transform=transform)
 
 
-def sft_body(sh: Shards, theta, batch, *, pcfg, vocab_chunk: int = 0):
-  """Next-token cross-entropy on loss tokens of the same document, on one shard."""
-  h, _ = policy_hidden(theta, pcfg, batch, sh)
-  return sft_from_hidden(sh, theta, h, batch, pcfg=pcfg, vocab_chunk=vocab_chunk)
-
-
-def sft_from_hidden(sh: Shards, theta, h_BSE, batch, *, pcfg, vocab_chunk: int = 0):
-  """`sft_body` from the policy's final hidden state (a pipeline's last stage starts here)."""
+def sft_terms(spec, ops: ShardOps, theta, extra, h_BSE, taps_NBSE, batch, ref):
+  """Next-token cross-entropy on loss tokens of the same document, on one shard, from the
+  policy's final hidden state (a `run` objective; `extra`, the taps and `ref` unused)."""
   tok, seg = batch["tokens"], batch["segment_ids"]
-  nxt = sh.shift(tok, 1, 0)
-  same = (sh.shift(seg, 1, 0) == seg) & (seg != 0)
-  w = jnp.where(same, sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0), 0.0)
-  lp, _, top1 = next_token_scores(theta, pcfg, h_BSE, nxt, vocab_chunk=vocab_chunk)
-  n_tokens = sh.total(w)
+  nxt = ops.shift(tok, 1, 0)
+  same = (ops.shift(seg, 1, 0) == seg) & (seg != 0)
+  w = jnp.where(same, ops.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0), 0.0)
+  vocab_chunk = spec.compute.vocab_chunk
+  lp, _, top1 = next_token_scores(theta, spec.pcfg, h_BSE, nxt, vocab_chunk=vocab_chunk)
+  n_tokens = ops.total(w)
   n = jnp.maximum(n_tokens, 1.0)
-  loss = -sh.total(lp * w) / n
-  return loss, {"loss": loss, "token_accuracy": sh.total(top1 * w) / n, "tokens": n_tokens}
+  loss = -ops.total(lp * w) / n
+  return loss, {"loss": loss, "token_accuracy": ops.total(top1 * w) / n, "tokens": n_tokens}
 
 
-def cotrain_body(sh: Shards, theta, phi, ref_theta, batch, *, pcfg, **options):
-  """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward (`options`
-  as in `cotrain_from_hidden`)."""
-  h, taps = policy_hidden(theta, pcfg, batch, sh)
-  h_ref = None
-  if ref_theta is not None:
-    ref_theta = jax.lax.stop_gradient(ref_theta)
-    h_ref, _ = policy_hidden(ref_theta, pcfg, batch, sh)
-  return cotrain_from_hidden(sh, theta, phi, ref_theta, h, taps, h_ref, batch, pcfg=pcfg, **options)
-
-
-def cotrain_from_hidden(
-  sh: Shards,
-  theta,
-  phi,
-  ref_theta,
-  h_BSE,
-  taps_NBSE,
-  h_ref_BSE,
-  batch,
-  *,
-  pcfg,
-  dcfg,
-  rl_cfg,
-  lam: float,
-  train_draft: bool,
-  stop_tap_gradient: bool,
-  max_tokens: int | None,
-  vocab_chunk: int,
-):
-  """`cotrain_body` from the policy's final hidden state, its taps and the reference policy's
-  final hidden state (None without a KL term); a pipeline's last stage starts here."""
+def cotrain_terms(spec, ops: ShardOps, theta, phi, h_BSE, taps_NBSE, batch, ref):
+  """L_RL(theta) + lam * L_draft(phi; sg(taps)) on one shard, from ONE policy forward: its final
+  hidden state and taps, and `ref` (the reference policy and its final hidden state; None
+  without a KL term). A `run` objective under `spec.rl` (`train.spec.RLLoss`)."""
+  rl, pcfg = spec.rl, spec.pcfg
   tok = batch["tokens"]
-  chunk = dict(vocab_chunk=vocab_chunk)
+  chunk = dict(vocab_chunk=spec.compute.vocab_chunk)
   h, taps = h_BSE, taps_NBSE
-  if stop_tap_gradient:
+  if spec.stop_tap_gradient:
     taps = jax.lax.stop_gradient(taps)
-  nxt = sh.shift(tok, 1, 0)
+  nxt = ops.shift(tok, 1, 0)
   # the rollouts' distribution (temperature, top-k, top-p): the behaviour log-probs are of it
-  sampling = Sampling(rl_cfg.temperature, rl_cfg.get("top_k", 0), rl_cfg.get("top_p", 1.0))
-  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, sampling=sampling, **chunk)
-  mask = sh.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
+  lp, ent, _ = next_token_scores(theta, pcfg, h, nxt, sampling=rl.sampling, **chunk)
+  mask = ops.shift(batch["loss_mask"].astype(jnp.float32), 1, 0.0)  # x_{t+1} is a loss token
   ref_lp = None
-  if h_ref_BSE is not None:
-    ref_theta = jax.lax.stop_gradient(ref_theta)
-    ref_lp, _, _ = next_token_scores(
-      ref_theta, pcfg, jax.lax.stop_gradient(h_ref_BSE), nxt, sampling=sampling, **chunk
-    )
+  if ref is not None:
+    ref_theta, h_ref = jax.lax.stop_gradient(ref)
+    ref_lp, _, _ = next_token_scores(ref_theta, pcfg, h_ref, nxt, sampling=rl.sampling, **chunk)
   rl_loss, metrics = grpo.policy_loss(
     lp,
-    sh.shift(batch["logprobs"], 1, 0.0),
+    ops.shift(batch["logprobs"], 1, 0.0),
     batch["advantages"],
     mask,
-    eps_low=rl_cfg.eps_low,
-    eps_high=rl_cfg.eps_high,
-    aggregation=rl_cfg.aggregation,
-    max_tokens=max_tokens if max_tokens is not None else tok.shape[1] * sh.cp,
+    eps_low=rl.eps_low,
+    eps_high=rl.eps_high,
+    aggregation=rl.aggregation,
+    max_tokens=rl.max_tokens if rl.max_tokens is not None else tok.shape[1] * ops.cp,
     ref_logp_NS=ref_lp,
-    beta=rl_cfg.beta,
-    kl_estimator=rl_cfg.kl_estimator,
-    row_sum=sh.rows,
+    beta=rl.beta,
+    kl_estimator=rl.kl_estimator,
+    row_sum=ops.rows,
   )
-  metrics["entropy"] = jax.lax.stop_gradient(sh.total(ent * mask) / jnp.maximum(sh.total(mask), 1))
+  metrics["entropy"] = jax.lax.stop_gradient(
+    ops.total(ent * mask) / jnp.maximum(ops.total(mask), 1)
+  )
   total = rl_loss
-  if train_draft:
-    draft_loss, dm = draft_terms(sh, theta, phi, h, taps, batch, pcfg=pcfg, dcfg=dcfg, **chunk)
+  if rl.train_draft:
+    draft_loss, dm = draft_terms(spec, ops, theta, phi, h, taps, batch, None)
     metrics.update(dm)
-    total = total + lam * draft_loss
+    total = total + rl.lam * draft_loss
   metrics["loss"] = total
   return total, metrics
 
 
-def draft_body(sh: Shards, dparams, theta, batch, *, pcfg, dcfg, vocab_chunk: int = 0):
-  """Draft distillation on one shard: the fixed policy's forward under stop_gradient, then the
-  draft's TTT loss (`draft_terms`)."""
-  theta = jax.lax.stop_gradient(theta)
-  h, taps = policy_hidden(theta, pcfg, batch, sh)
-  return draft_terms(
-    sh, theta, dparams, h, taps, batch, pcfg=pcfg, dcfg=dcfg, vocab_chunk=vocab_chunk
-  )
-
-
-def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, vocab_chunk: int):
+def draft_terms(spec, ops: ShardOps, theta, phi, h_BSE, taps_NBSE, batch, ref):
   """The draft's loss on this shard (EAGLE-3's TTT loss or a block draft's, `model/drafts.py`):
   ring branch attention on the policy's shards, soft targets from the policy's (stop-gradient)
-  final hidden state through its LM head."""
+  final hidden state through its LM head. A `run` objective (draft distillation passes the
+  policy under stop_gradient; `ref` unused)."""
+  pcfg, dcfg = spec.pcfg, spec.dcfg
   pos, seg = batch["positions"], batch["segment_ids"]
   w = jax.lax.stop_gradient(pol.head_weight(theta, pcfg))
   return drafts.loss_on_shard(
@@ -409,9 +412,9 @@ def draft_terms(sh: Shards, theta, phi, h_BSE, taps_NBSE, batch, *, pcfg, dcfg, 
     taps_NBSE,
     h_BSE,
     batch,
-    shift=sh.shift,
-    attend=(sh.block_branch if drafts.is_block(dcfg) else sh.branch)(pos, seg),
-    total=sh.total,
+    shift=ops.shift,
+    attend=(ops.block_branch if drafts.is_block(dcfg) else ops.branch)(pos, seg),
+    total=ops.total,
     policy_head=w,
-    vocab_chunk=vocab_chunk,
+    vocab_chunk=spec.compute.vocab_chunk,
   )

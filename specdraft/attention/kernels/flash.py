@@ -74,6 +74,28 @@ class KernelSettings:
       if getattr(self, name) < 1:
         raise ValueError(f"attention kernel {name}={getattr(self, name)}: must be >= 1")
 
+  @classmethod
+  def from_config(cls, attention_cfg) -> KernelSettings | None:
+    """The settings of the config's `attention` section: None for `kernel = xla` (the XLA
+    tiles), else the fused block's backend, tiles and Triton launch settings."""
+    if attention_cfg is None or attention_cfg.kernel == "xla":
+      return None
+    a = attention_cfg
+    return cls(
+      block_q=int(a.block_q),
+      block_k=int(a.block_k),
+      backend=str(a.backend),
+      num_warps=int(a.num_warps),
+      num_stages=int(a.num_stages),
+    )
+
+  def row_multiple(self) -> int:
+    """What a row's local length must be a multiple of for this backend's tiles to divide it:
+    1 in interpret mode (any divisor serves), else the larger tile (Triton and Mosaic tiles are
+    fixed powers of two; `sequence.lay_out(multiple=)` pads training rows to it)."""
+    backend = resolve_backend(self.backend)
+    return 1 if backend == "interpret" else max(self.tiles(backend))
+
   def tiles(self, backend: str) -> tuple[int, int]:
     dq, dk = DEFAULT_TILES[backend]
     return self.block_q or dq, self.block_k or dk

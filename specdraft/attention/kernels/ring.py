@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from specdraft.attention import blockwise as bw
 from specdraft.attention.kernels.flash import (
   KernelSettings,
+  block_attention,
   block_attention_bwd,
   block_attention_fwd,
 )
@@ -92,27 +93,34 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_block_attention(
-  q_BTHD, k_BSKD, v_BSKD, qr: bw.Rows, kr: bw.Rows, *, axis_name: str, cp: int, settings=None
-):
+  q_BTHD, k_BSKD, v_BSKD, qr: bw.Rows, kr: bw.Rows, *, axis_name: str | None, cp: int,
+  settings=None,
+):  # fmt: skip
   """Local query rows against every rank's key block (call inside shard_map over `axis_name`):
   (out_BTHD float32, lse_BHT float32), differentiable through both, as `blockwise.blk` over the
-  gathered keys would give."""
-  return _ring(q_BTHD, k_BSKD, v_BSKD, qr, kr, axis_name, cp, settings or KernelSettings())
+  gathered keys would give. At cp = 1 with no axis (outside shard_map) it is the block itself."""
+  settings = settings or KernelSettings()
+  if axis_name is None:
+    if cp != 1:
+      raise ValueError(f"cp={cp} needs the ring's axis_name (call inside shard_map)")
+    out, lse = block_attention(q_BTHD, k_BSKD, v_BSKD, qr, kr, settings=settings)
+    return out.astype(jnp.float32), lse
+  return _ring(q_BTHD, k_BSKD, v_BSKD, qr, kr, axis_name, cp, settings)
 
 
-def anchor_rows(q_BLHD, q_BLWHD, pos_BL, seg_BL, branch: str):
-  """Every query of an anchor as consecutive rows (the trunk query, then its W branch queries):
-  q [B, L * R, H, D] and their mask metadata, strict 1 for block-branch queries."""
-  B, L, H, D = q_BLHD.shape
-  R = 1 + q_BLWHD.shape[2]
-  q = jnp.concatenate([q_BLHD[:, :, None], q_BLWHD.astype(q_BLHD.dtype)], axis=2)
-  strict_R = jnp.asarray([0] + [int(branch == "block")] * (R - 1), jnp.int32)
-  rows = bw.Rows(
-    jnp.repeat(pos_BL, R, axis=1),
-    jnp.repeat(seg_BL, R, axis=1),
-    jnp.broadcast_to(jnp.tile(strict_R, L), (B, L * R)),
+def trunk_attention_shard(
+  q, k, v, seg, pos, *, axis_name=None, cp: int = 1, settings=None, return_lse: bool = False
+):  # fmt: skip
+  """`attention.ring.trunk_attention_shard` with the fused block: packed causal attention of a
+  trunk with no branch (the policy's layers in training; with `return_lse` the trunk part of a
+  draft's TTT branch rows). q [B,L,H,D], k/v [B,L,K,D], seg/pos [B,L] (global positions).
+  Returns out [B,L,H,D] in q's dtype, and with `return_lse` lse [B,H,L] float32."""
+  rows = bw.Rows(pos, seg, jnp.zeros_like(pos))
+  out, lse = ring_block_attention(
+    q, k, v, rows, bw.Rows(pos, seg), axis_name=axis_name, cp=cp, settings=settings
   )
-  return q.reshape(B, L * R, H, D), rows
+  out = out.astype(q.dtype)
+  return (out, lse) if return_lse else out
 
 
 def ring_attention_shard(
@@ -124,7 +132,7 @@ def ring_attention_shard(
   B, L, H, D = q.shape
   W = q_br.shape[2]
   R = 1 + W
-  rows_q, qr = anchor_rows(q, q_br, pos, seg, branch)
+  rows_q, qr = bw.query_rows(q, q_br, pos, seg, branch)
   out, lse = ring_block_attention(
     rows_q, k, v, qr, bw.Rows(pos, seg), axis_name=axis_name, cp=cp, settings=settings
   )
