@@ -11,7 +11,7 @@ and gradient:
   cotrain_loss   L_RL + lam * L_draft from one policy forward   (`step.cotrain_loss`)
   distill_loss   the draft's loss on a fixed policy's forward    (`draft.draft_loss`)
   draft_loss     the draft's loss from given logits and taps      (either kind)
-  ttt_loss       EAGLE-3's TTT loss; ttt_loss_cp its per-shard form over a 'cp' axis
+  ttt_loss       EAGLE-3's TTT loss (attn_impl "ring": its per-shard form over a 'cp' axis)
   block_loss     a block draft's (DFlash / DSpark) loss
 
 Shape letters: B batch, S sequence, V vocabulary, N taps, E width.
@@ -139,7 +139,7 @@ def ttt_loss(
   decay**k (`eagle3.ttt_loss_on_shard` on one natural-order shard).
 
   attn_impl="ring" runs the whole loss per shard over `cp_axis` on data laid out in zigzag order
-  once (`ttt_loss_cp`); "dense" and "allgather" run on natural-order arrays through
+  once; "dense" and "allgather" run on natural-order arrays through
   `branch_attention`, every TTT step recomputing the trunk and earlier branch rows.
   Returns (loss, metrics) with per-step top-1 agreement with the policy (`ttt_acc_k`).
   """
@@ -155,7 +155,7 @@ def ttt_loss(
     loss_mask_BS,
   )
   if attn_impl == "ring":
-    return ttt_loss_cp(*args, mesh=mesh, cp_axis=cp_axis)
+    return _ttt_loss_on_ring(args, mesh=mesh, cp_axis=cp_axis)
   attend = eagle3.attend_by_branch(
     lambda *a: branch_attention(
       *a, segment_ids_BS, branch="ttt", impl=attn_impl, mesh=mesh, cp_axis=cp_axis
@@ -164,24 +164,15 @@ def ttt_loss(
   return eagle3.ttt_loss_on_shard(*args, shift=eagle3.natural_shift, attend=attend, total=jnp.sum)
 
 
-def ttt_loss_cp(
-  dp,
-  cfg: eagle3.DraftConfig,
-  embed_table,
-  taps_NBSE,
-  policy_logits_BSV,
-  tokens_BS,
-  positions_BS,
-  segment_ids_BS,
-  loss_mask_BS,
-  *,
-  mesh,
-  cp_axis="cp",
-):
-  """The TTT loss under context parallelism from natural-order arrays: every per-token array is
-  padded and laid out in zigzag order once; each shard shifts with `zigzag.shift_local`, attends
-  with the ring's per-shard function and contributes partial sums that are psum-ed over
-  `cp_axis`."""
+def _ttt_loss_on_ring(args, *, mesh, cp_axis="cp"):
+  """`ttt_loss`'s "ring": the TTT loss under context parallelism from natural-order arrays (its
+  arguments `args`, in order): every per-token array is padded and laid out in zigzag order
+  once; each shard shifts with `zigzag.shift_local`, attends with the ring's per-shard function
+  and contributes partial sums that are psum-ed over `cp_axis`."""
+  (
+    dp, cfg, embed_table, taps_NBSE, policy_logits_BSV, tokens_BS, positions_BS, segment_ids_BS,
+    loss_mask_BS,
+  ) = args  # fmt: skip
   from jax.sharding import PartitionSpec
 
   from specdraft.attention import ring
