@@ -11,7 +11,7 @@ Drafts: python experiments/bench_step.py --config=configs/bench_step.py:drafts \
 from __future__ import annotations
 
 from configs import default
-from specdraft.bench import step_time
+from experiments.bench import step_time
 from specdraft.config import parse_arg
 
 

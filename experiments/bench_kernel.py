@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import kernel  # noqa: E402
+from experiments.bench import kernel  # noqa: E402
 from specdraft.parallel import multihost  # noqa: E402
 
 # one process, one device: a multi-process launch is refused before any work

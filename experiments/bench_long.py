@@ -19,7 +19,7 @@ multihost.single_process_only("experiments/bench_long.py")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import long_memory  # noqa: E402
+from experiments.bench import long_memory  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_long.py", "Bench config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_long", "Output directory.")

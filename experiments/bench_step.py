@@ -19,7 +19,7 @@ multihost.single_process_only("experiments/bench_step.py")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import step_time  # noqa: E402
+from experiments.bench import step_time  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_step.py", "Bench config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_step", "Output directory.")

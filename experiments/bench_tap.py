@@ -19,7 +19,7 @@ multihost.single_process_only("experiments/bench_tap.py")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import tap  # noqa: E402
+from experiments.bench import tap  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/bench_tap.py", "Bench config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_tap", "Output directory.")

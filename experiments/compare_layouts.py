@@ -24,7 +24,7 @@ multihost.single_process_only("experiments/compare_layouts.py")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import compare_layouts  # noqa: E402
+from experiments.bench import compare_layouts  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/compare_layouts.py", "Config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare_layouts", "Output directory.")

@@ -19,7 +19,7 @@ multihost.initialize(sys.argv)
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import drift  # noqa: E402
+from experiments.bench import drift  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/drift.py", "Drift config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/drift", "Output directory.")

@@ -19,7 +19,7 @@ multihost.initialize(sys.argv)
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import long_run  # noqa: E402
+from experiments.bench import long_run  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/long.py", "Long-context config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/long_run", "Output directory.")

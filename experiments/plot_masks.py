@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from specdraft.bench import masks  # noqa: E402
+from experiments.bench import masks  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "docs/figures/masks.png", "Where the picture goes.")
 

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import projection  # noqa: E402
+from experiments.bench import projection  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", "configs/project_speedup.py", "Projection config."

@@ -19,7 +19,7 @@ multihost.single_process_only("experiments/real_model_sd.py")
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from specdraft.bench import real_model  # noqa: E402
+from experiments.bench import real_model  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/real_model.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/real_model_sd", "Output directory.")

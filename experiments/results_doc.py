@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from specdraft.bench import goals as goal_lib
-from specdraft.bench.arms import ARM_NAMES
+from experiments.bench import goals as goal_lib
+from experiments.bench.arms import ARM_NAMES
 
 BEGIN = "<!-- results:begin"
 END = "<!-- results:end -->"
@@ -62,17 +62,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 # What a results file's figures depend on: the modules its script and config import, followed
-# through every `specdraft` and `configs` import they make (anywhere in a file, so imports inside
-# functions count), and the environment (pyproject.toml, Makefile). A commit after the results
-# file's that touched any of them makes its figures stale. The modules that only report (this
-# renderer, goals, provenance) are not measured code. Commands that run a whole `make` target
-# (experiments/wall_times.py) measure what that target runs: `make run` its entry point and
-# config; the CI steps the whole repository (`WHOLE_REPOSITORY`).
+# through every `specdraft`, `configs` and `experiments` (the benchmark bodies) import they make
+# (anywhere in a file, so imports inside functions count), and the environment (pyproject.toml,
+# Makefile). A commit after the results file's that touched any of them makes its figures stale.
+# The modules that only report (this renderer, goals, provenance) are not measured code. Commands
+# that run a whole `make` target (experiments/wall_times.py) measure what that target runs: `make
+# run` its entry point and config; the CI steps the whole repository (`WHOLE_REPOSITORY`).
 ENVIRONMENT = ("pyproject.toml", "Makefile")
 NOT_MEASURED = (
   "experiments/results_doc.py",
-  "specdraft/bench/goals.py",
-  "specdraft/bench/provenance.py",
+  "experiments/bench/goals.py",
+  "experiments/bench/provenance.py",
 )
 WHOLE_REPOSITORY = ("specdraft", "configs", "experiments", "tests", "scripts", ".ci", *ENVIRONMENT)
 MAKE_RUN = ("experiments/train.py", "configs/default.py")
@@ -89,7 +89,7 @@ def _module_file(root: str, module: str) -> str | None:
 
 def imported_files(root: str, entries) -> set[str]:
   """Repository files reachable from `entries` (paths relative to root) by `import` statements
-  naming `specdraft` or `configs` modules, entries included (a package's __init__ with each of
+  naming `specdraft`, `configs` or `experiments` modules, entries included (a package's __init__ with each of
   its modules)."""
   import ast
 
@@ -110,7 +110,7 @@ def imported_files(root: str, entries) -> set[str]:
         names.append(node.module)
         names += [f"{node.module}.{a.name}" for a in node.names]  # submodules imported by name
     for name in names:
-      if name.split(".")[0] not in ("specdraft", "configs"):
+      if name.split(".")[0] not in ("specdraft", "configs", "experiments"):
         continue
       parts = name.split(".")
       for i in range(1, len(parts) + 1):  # a module's packages run their __init__ too
@@ -900,7 +900,7 @@ def make_run_longtail(r: dict) -> str:
 
 def projection_section(r: dict) -> str:
   """experiments/project_speedup.py from a run's measured acceptance and tail profile."""
-  from specdraft.bench import projection
+  from experiments.bench import projection
 
   head = (
     "### Projected speedups on accelerators, from the long-tailed drift run's acceptance\n\n"

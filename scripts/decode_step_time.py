@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from specdraft.bench import provenance  # noqa: E402
+from experiments.bench import provenance  # noqa: E402
 from specdraft.model import policy as pol  # noqa: E402
 
 POINTS = ((1, 256, 1), (1, 256, 6), (8, 256, 1), (8, 2048, 1))

@@ -297,7 +297,7 @@ def test_benchmark_smoke_reports_exactness_and_leaves_timing_goals_unmeasured(tm
   """The benchmark's CPU run: the exactness goal is judged, the accelerator goals are reported
   as not measured, and a full (non-smoke) run is refused on CPU before any work."""
   from configs import bench_kernel
-  from specdraft.bench import kernel
+  from experiments.bench import kernel
 
   with pytest.raises(ValueError, match="only as a smoke test"):
     kernel.run(bench_kernel.get_config(), str(tmp_path / "full"))

@@ -4,7 +4,7 @@ the training mesh the step expects)."""
 import pytest
 
 from configs import bench_long as bench_long_config
-from specdraft.bench import long_memory
+from experiments.bench import long_memory
 
 
 @pytest.mark.slow

@@ -486,7 +486,7 @@ def test_drafts_benchmark_smoke_and_its_readme_section(tmp_path):
   against one AR baseline at the same G; the goals evaluate and the README section renders."""
   from configs import bench_drafts
   from experiments import results_doc as readme
-  from specdraft.bench import drafts as bench
+  from experiments.bench import drafts as bench
 
   c = bench_drafts.get_config("smoke")
   c.data.data_dir = str(tmp_path / "tfds")
@@ -538,7 +538,7 @@ def test_benchmark_entries_name_a_kind_and_optional_block_overrides():
   """configs/bench_drafts.py:markov compares DSpark with and without its Markov head; an entry is
   a kind with draft.block overrides, and a bad one fails naming it."""
   from configs import bench_drafts
-  from specdraft.bench import drafts as bench
+  from experiments.bench import drafts as bench
 
   c = bench_drafts.get_config("markov,smoke")
   assert bench.NO_MARKOV in c.bench.kinds and "markov_head_isolated" in c.bench.goals
@@ -566,7 +566,7 @@ def test_bench_step_cotraining_adds_only_the_block_drafts_matmul_work(kind):
   FLOPs are at most RL-only's plus the draft loss's alone (the step shares the policy's
   logits with the draft's targets) and not less than 95% of that sum (no draft work dropped)."""
   from configs import bench_step
-  from specdraft.bench import hlo, step_time
+  from experiments.bench import hlo, step_time
 
   c = bench_step.get_config("drafts")
   assert [case[2] for case in c.bench_step.cases] == ["eagle3", "dflash", "dspark"] * 2

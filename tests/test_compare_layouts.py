@@ -1,4 +1,4 @@
-"""Sharding layouts compared (specdraft/bench/compare_layouts.py): collective bytes read from the
+"""Sharding layouts compared (experiments/bench/compare_layouts.py): collective bytes read from the
 HLO against a count by hand, every named layout's co-training step against the single-device
 step, the comparison at smoke size, the plan, and the committed sharding snapshots."""
 
@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec
 
 from configs import compare_layouts as compare_config
-from specdraft.bench import compare_layouts as cl
-from specdraft.bench import hlo as hlo_lib
+from experiments.bench import compare_layouts as cl
+from experiments.bench import hlo as hlo_lib
 from specdraft.parallel import layouts
 from specdraft.train import state as state_lib
 

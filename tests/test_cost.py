@@ -219,7 +219,7 @@ def test_calibration_is_cached_per_config(tmp_path, monkeypatch):
 def test_the_bench_pairs_rounds_timed_twice():
   """bench_cost's repeatability diagnostic pairs each full-depth AR step / SD round of the
   calibration with the validation's timing of the same (kind, rows, G, capacity), by hand."""
-  from specdraft.bench import cost_model
+  from experiments.bench import cost_model
 
   cal = [
     dict(model="ar", rows=4, tokens=0, capacity=41, seconds=2.0),
@@ -244,7 +244,7 @@ def test_the_bench_splits_corrected_errors_at_and_between_timed_rounds():
   """bench_cost's corrected prediction of a validated round: the calibration's measurement at a
   (rows, G) it timed (so the error there is the host's repeatability), the fit scaled by the
   interpolated level between them, the fit alone for a fixed loop's SD round at G = 0."""
-  from specdraft.bench import cost_model
+  from experiments.bench import cost_model
 
   pcfg, dcfg = _models()
   model = cost.CostModel(cost.Machine(2e-4, 3e-5, 3e10, 2e10, 1e-4, 5e8, 4e9), pcfg, dcfg)
@@ -272,7 +272,7 @@ def test_the_rollout_bench_reports_its_control_and_the_planned_arm():
   """bench_rollout:auto's per-batch row: the control arm (the largest fixed G's program timed as a
   second arm) over that arm, which is not a candidate for the best fixed G; auto_stage over the
   fixed arm at the G its plan chose for every stage, and no such ratio for a mixed plan."""
-  from specdraft.bench import rollout
+  from experiments.bench import rollout
 
   rates = {"ar": 10.0, 1: 12.0, 2: 15.0, "auto": 14.0, "auto_stage": 13.5, "control": 18.0}
   samples = {

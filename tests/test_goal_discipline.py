@@ -1,6 +1,6 @@
 """Goals are fixed once: every committed results file's experiment still defines, in its config,
 every goal any committed version of that file recorded, at the same op and target, and every goal
-carries the date it was fixed (specdraft/bench/goals.py)."""
+carries the date it was fixed (experiments/bench/goals.py)."""
 
 import glob
 import json
@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from specdraft.bench import goals as goal_lib
-from specdraft.bench import provenance
+from experiments.bench import goals as goal_lib
+from experiments.bench import provenance
 
 ROOT = provenance.repo_root()
 RESULTS = sorted(
@@ -150,7 +150,7 @@ def test_corrected_interval_bound_covers_the_exact_welch_interval():
   import numpy as np
   from scipy import stats
 
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   rng = np.random.default_rng(0)
   for sa, sb in ((0.1, 0.1), (0.05, 0.2), (0.3, 0.01)):
@@ -183,22 +183,28 @@ def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
   git("init", "-q")
   git("config", "user.email", "t@t")
   git("config", "user.name", "t")
-  os.makedirs(tmp_path / "specdraft/bench")
+  os.makedirs(tmp_path / "experiments/bench")
   os.makedirs(tmp_path / "specdraft/decode")
   os.makedirs(tmp_path / "configs")
-  os.makedirs(tmp_path / "experiments")
-  for path in ("specdraft/__init__.py", "specdraft/decode/__init__.py"):
+  for path in (
+    "specdraft/__init__.py", "specdraft/decode/__init__.py", "experiments/__init__.py",
+    "experiments/bench/__init__.py",
+  ):  # fmt: skip
     (tmp_path / path).write_text("")
+  # an entry point's benchmark body (experiments/bench/) is measured code like the library's
+  (tmp_path / "experiments/e.py").write_text("from experiments.bench import body\n")
+  (tmp_path / "experiments/bench/body.py").write_text("from specdraft import x\n")
   (tmp_path / "specdraft/x.py").write_text("A = 1\n")
   (tmp_path / "specdraft/decode/y.py").write_text("def f():\n  from specdraft import x\n")
   (tmp_path / "specdraft/unused.py").write_text("C = 1\n")
   (tmp_path / "configs/exp.py").write_text("from specdraft.decode import y\nB = 1\n")
   results = {
     "commit": commit("README.md", "start\n"),
-    "command": "python e.py --config=configs/exp.py",
+    "command": "python experiments/e.py --config=configs/exp.py",
   }
   measured = readme.measured_paths(results, str(tmp_path))
   assert {"specdraft/x.py", "specdraft/decode/y.py", "configs/exp.py"} <= set(measured)
+  assert {"experiments/e.py", "experiments/bench/body.py"} <= set(measured)
   assert "specdraft/unused.py" not in measured
   for path in ("README.md", "experiments/results_doc.py", "specdraft/unused.py"):
     commit(path, "changed\n")

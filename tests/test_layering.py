@@ -1,6 +1,6 @@
 """The package's import structure, read from the source (AST, function-level imports included):
-subpackages import only downwards (no cycle between them) and no module uses another module's
-private names."""
+subpackages import only downwards (no cycle between them), no module uses another module's
+private names, and the library never imports the lab notebook (experiments/, configs/)."""
 
 import ast
 import os
@@ -23,17 +23,6 @@ ALLOWED = {
   "train": {"attention", "config", "decode", "interop", "model", "parallel", "rl", "tasks"},
   # the natural-order losses the tests hold the steps equal to (no training run calls them)
   "oracles": {"attention", "decode", "model", "parallel", "rl", "train"},
-  "bench": {
-    "attention",
-    "config",
-    "decode",
-    "interop",
-    "model",
-    "oracles",
-    "parallel",
-    "tasks",
-    "train",
-  },
 }
 
 
@@ -134,4 +123,21 @@ def test_no_module_uses_another_modules_private_names():
 
 @pytest.mark.parametrize("pkg", ["model", "attention", "parallel"])
 def test_the_model_layers_never_import_training_or_decoding(pkg):
-  assert not ALLOWED[pkg] & {"train", "decode", "bench", "config", "devices"}
+  assert not ALLOWED[pkg] & {"train", "decode", "config", "devices"}
+
+
+def test_the_library_never_imports_the_lab_notebook():
+  """The benchmark bodies, entry points and renderers live in experiments/ and the configs in
+  configs/; the installed package `specdraft` imports neither (they are not installed with it)."""
+  bad = []
+  for path, mod in _modules():
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for n in ast.walk(tree):
+      names = []
+      if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+        names = [n.module]
+      elif isinstance(n, ast.Import):
+        names = [a.name for a in n.names]
+      bad += [f"{mod} imports {m}" for m in names if m.split(".")[0] in ("experiments", "configs")]
+  assert not bad, "\n".join(sorted(bad))

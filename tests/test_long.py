@@ -181,7 +181,7 @@ def test_long_context_smoke_run(tmp_path, layout, task):
 
 
 def test_long_run_reports_each_answer_form_over_the_first_and_last_fifth():
-  from specdraft.bench import long_run
+  from experiments.bench import long_run
 
   comma = [0.5, 0.7, 0.6, 0.6, 0.8, 0.9, 0.8, 0.9, 1.0, 0.9]  # a fifth of 10 steps is 2
   rows = [{"format_share": {"comma": c, "semicolon": 1 - c}} for c in comma]

@@ -177,7 +177,7 @@ def test_the_config_variants():
     d[section][name] = 60  # the tail would be cut short
     with pytest.raises(ValueError, match=rf"config.{field}=60 is invalid: .* 107 tokens"):
       config_lib.validate(d, num_devices=1)
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   dr = drift_config.get_config("longtail")
   config_lib.validate(dr, num_devices=1)

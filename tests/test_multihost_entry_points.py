@@ -65,7 +65,7 @@ DRIFT_SMOKE = {
 @pytest.mark.slow
 def test_the_drift_entry_point_runs_on_two_processes_as_on_one(tmp_path):
   from configs import drift as drift_config
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   spec = "smoke,layout=dp8,equivalence"
   d = str(tmp_path / "tfds")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from configs import default as default_config
+from experiments.bench import hlo as hlo_lib
 from specdraft import config as config_lib
-from specdraft.bench import hlo as hlo_lib
 from specdraft.model import eagle3, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts

@@ -1,4 +1,4 @@
-"""The speedup projection (specdraft/bench/projection.py): its fluid rollout worked by hand, the
+"""The speedup projection (experiments/bench/projection.py): its fluid rollout worked by hand, the
 G it chooses, compaction, the run's tail profile, and the smoke config end to end."""
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import project_speedup
-from specdraft.bench import projection
+from experiments.bench import projection
 from specdraft.decode import cost, engine
 
 

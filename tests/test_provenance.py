@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 
 
 def test_goals_evaluated_against_measured_values():
@@ -85,7 +85,7 @@ def test_run_outputs_inside_the_workdir_do_not_count_as_dirty(tmp_path, monkeypa
 
 
 def test_drift_seed_statistics_use_the_sample_std_and_a_t_interval():
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   s = drift.seed_stats([1.0, 2.0, 3.0])
   assert s["mean"] == 2.0 and s["std"] == pytest.approx(1.0)  # ddof=1 (ddof=0 gives 0.816)
@@ -103,7 +103,7 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
   and 1.5 s; step 1 (compile) is slow and must not count."""
   import ml_collections
 
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   def rec(reward, ro, tr, tau=1.0):
     return dict(
@@ -172,7 +172,7 @@ def test_drift_summary_timings_threshold_and_speed_by_hand():
 
 
 def test_drift_counts_an_arm_run_as_resumed_only_when_its_log_has_every_step(tmp_path):
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   assert not drift._complete_rl_run(str(tmp_path), 3)  # no log yet
   (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
@@ -182,7 +182,7 @@ def test_drift_counts_an_arm_run_as_resumed_only_when_its_log_has_every_step(tmp
 
 
 def test_drift_arms_name_a_rollout_draft_and_optionally_a_draft_kind():
-  from specdraft.bench import drift
+  from experiments.bench import drift
 
   assert drift.parse_arm("cotrained", "eagle3") == ("cotrained", "eagle3")
   assert drift.parse_arm("cotrained_dflash", "eagle3") == ("cotrained", "dflash")

@@ -180,7 +180,7 @@ def test_bad_shapes_are_clear_errors():
 def test_mask_picture_reads_the_oracles_visibility(tmp_path):
   """The docs' mask picture (bench/masks.py) is read off the oracle: spot checks by hand on a
   row of two documents [1, 1, 1, 1, 2, 2, 2] with W = 3."""
-  from specdraft.bench import masks
+  from experiments.bench import masks
 
   S, W = 7, 3
   shown = masks.plot(str(tmp_path / "masks.png"))

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from experiments.bench import cp_work
 from specdraft.attention import branch_attention, ring
 from specdraft.attention.api import context_parallel
-from specdraft.bench import cp_work
 
 
 def _mesh(cp):

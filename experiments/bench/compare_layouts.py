@@ -42,9 +42,9 @@ import ml_collections
 import numpy as np
 import optax
 
+from experiments.bench import hlo, provenance
+from experiments.bench.step_time import synthetic_batch
 from specdraft import config as config_lib
-from specdraft.bench import hlo, provenance
-from specdraft.bench.step_time import synthetic_batch
 from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts

@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 
 _CONFIG = re.compile(r"--config=configs/(\w+)\.py(?::(\S+))?")
 

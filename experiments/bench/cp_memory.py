@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from experiments.bench import cp_work, provenance
 from specdraft.attention import reference, ring
-from specdraft.bench import cp_work, provenance
 
 FLOOR_FORMULA = (
   "2*E*B*Sl*(H*D + 2*K*D + W*H*D + 2*W*K*D)   # inputs q, k, v, q_br, k_br, v_br and their grads"

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.bench import provenance
 from specdraft.attention import reference
 from specdraft.attention.blockwise import Rows, blk, block_mask
 from specdraft.attention.kernels import KernelSettings, block_attention, resolve_backend
-from specdraft.bench import provenance
 
 PATHS = ("pallas", "xla_tiles", "dot_product_attention")
 

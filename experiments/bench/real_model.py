@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.decode import autoregressive
 from specdraft.decode.compare import compare_rollouts
 from specdraft.interop import ggml

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from specdraft.bench import hlo as hlo_lib
-from specdraft.bench import provenance
-from specdraft.bench.step_time import synthetic_batch
+from experiments.bench import hlo as hlo_lib
+from experiments.bench import provenance
+from experiments.bench.step_time import synthetic_batch
 from specdraft.model import drafts, pipelined
 from specdraft.model import policy as pol
 from specdraft.parallel import layouts

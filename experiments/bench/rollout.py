@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.decode import autoregressive, cost, engine, speculative
 from specdraft.decode.compare import (
   compare_rollouts,

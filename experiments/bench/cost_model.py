@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.decode import cost
 from specdraft.model import drafts
 from specdraft.model import policy as pol

@@ -27,7 +27,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.decode import cost, engine, speculative
 from specdraft.model import drafts, eagle3
 from specdraft.model import policy as pol

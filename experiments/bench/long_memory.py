@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from experiments.bench import provenance
 from specdraft import oracles
-from specdraft.bench import provenance
 from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.parallel.layouts import AXES

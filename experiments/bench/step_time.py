@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specdraft.bench import hlo, provenance
+from experiments.bench import hlo, provenance
 from specdraft.model import drafts
 from specdraft.model import policy as pol
 from specdraft.tasks.tokenizer import CharTokenizer

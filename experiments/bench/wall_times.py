@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import time
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 
 _SUMMARY_RE = re.compile(r"=+ (.*) in [\d.]+s")
 

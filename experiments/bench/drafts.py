@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.decode.compare import compare_drafts
 from specdraft.model.drafts import KINDS
 from specdraft.tasks import loader

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 from scipy import stats
 
+from experiments.bench import provenance
+from experiments.bench.arms import ARM_NAMES
 from specdraft import config as config_lib
-from specdraft.bench import provenance
-from specdraft.bench.arms import ARM_NAMES
 from specdraft.decode import speculative
 from specdraft.decode.compare import decoding_figures
 from specdraft.model import drafts

@@ -15,7 +15,7 @@ import shutil
 
 import numpy as np
 
-from specdraft.bench import provenance
+from experiments.bench import provenance
 from specdraft.parallel import multihost
 from specdraft.train import loop, report
 

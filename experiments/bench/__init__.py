@@ -1,0 +1,1 @@
+"""Benchmark bodies behind the thin entry points in experiments/ (kept out of the library)."""

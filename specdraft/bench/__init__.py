@@ -1,1 +1,0 @@
-"""Benchmarks behind the thin entry points in experiments/."""
