@@ -330,4 +330,4 @@ def test_a_draft_vocabulary_file_is_checked_and_used(tmp_path):
   write(ids)
   config_lib.validate(c)
   ctx = loop.Context(c, str(tmp_path / "run"))
-  assert ctx.dcfg.vocab_ids == tuple(sorted(ids))
+  assert ctx.models.dcfg.vocab_ids == tuple(sorted(ids))

@@ -283,7 +283,7 @@ def test_draft_rollout_temperatures_cycle_over_steps_from_the_step_count(
 
   monkeypatch.setattr(draft_lib, "draft_iteration", recording)
   ctx = loop.Context(c, str(tmp_path / "run"))
-  params = pol.init_params(ctx.pcfg, 0)
+  params = pol.init_params(ctx.models.pcfg, 0)
   phases.draft_phase(ctx, params, stop_after=2)
   jax.effects_barrier()
   assert used == [0.0, 1.0]
@@ -354,7 +354,7 @@ def test_the_rl_state_shards_each_moment_like_its_parameter(tmp_path):
   c = default_config.get_config("smoke,layout=fsdp2_dp4")
   c.data.data_dir = str(tmp_path / "tfds")
   ctx = loop.Context(c, str(tmp_path / "run"))
-  params = state_lib.init_state(ctx.pcfg, optax.sgd(0.1), ctx.layout, 0)["params"]
+  params = state_lib.init_state(ctx.models.pcfg, optax.sgd(0.1), ctx.layout, 0)["params"]
   dparams = phases.init_draft(ctx, params)
   tx = step_lib.make_cotrain_optimizer(c.rl, c.draft, train_draft=True)
   state, _ = phases.rl_state(ctx, tx, params, dparams)
@@ -378,3 +378,29 @@ def test_the_rl_state_shards_each_moment_like_its_parameter(tmp_path):
     jax.tree.map(same, adam.nu[part], state["params"][part])
     assert adam.count.sharding.is_fully_replicated
   assert sum(moments) >= 8, "too few fsdp-sharded parameters for the test to mean anything"
+
+
+def test_a_context_shares_run_data_only_with_a_config_that_agrees_on_it(smoke_config, tmp_path):
+  """Context is built from parts (data, models, layout, rollouts); a benchmark's arms share one
+  RunData when their task and data fields agree (RunData.KEYS), and one built for another task
+  is refused before any work, naming both."""
+  import copy
+
+  from specdraft.train import phases
+
+  base = loop.Context(smoke_config, str(tmp_path / "base"))
+  assert base.models.pcfg.vocab_size >= base.data.tok.vocab_size
+  assert base.layout.mesh.size >= 1 and base.rollouts.cost_model is None
+  arm = copy.deepcopy(smoke_config)
+  arm.seed, arm.data.shuffle_seed, arm.rl.steps = 7, 7, 1  # not what the data is built from
+  shared = base.data.shared_with(arm)
+  assert shared is base.data
+  ctx = loop.Context(arm, str(tmp_path / "arm"), data=shared)
+  assert ctx.data is base.data and ctx.rollouts is not base.rollouts
+  assert ctx.data.prompt_len == base.data.prompt_len
+  other = copy.deepcopy(smoke_config)
+  other.eval.num_examples = smoke_config.eval.num_examples + 1
+  assert base.data.shared_with(other) is None
+  with pytest.raises(ValueError, match="eval.num_examples"):
+    loop.Context(other, str(tmp_path / "other"), data=base.data)
+  assert isinstance(phases.RunData.key_of(other), str)

@@ -28,18 +28,18 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
   ctx, params, dparams = trained
-  exs = ctx.eval_examples[:16]
-  prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+  exs = ctx.data.eval_examples[:16]
+  prompts, lengths = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
   assert len(set(lengths.tolist())) > 1  # prompts of different lengths
   ar = autoregressive.generate(
-    params, ctx.pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=24, temperature=0.0
+    params, ctx.models.pcfg, prompts, lengths, jax.random.key(0), max_new_tokens=24, temperature=0.0
   )
   for G in (1, 3, 5):
     sd = speculative.generate(
       params,
       dparams,
-      ctx.pcfg,
-      ctx.dcfg,
+      ctx.models.pcfg,
+      ctx.models.dcfg,
       prompts,
       lengths,
       jax.random.key(0),
@@ -61,12 +61,14 @@ def test_greedy_sd_equals_greedy_ar_token_for_token(trained):
 @pytest.mark.slow
 def test_distilled_draft_accepts_at_temperature_one(trained):
   ctx, params, dparams = trained
-  prompts, lengths = loader.prompt_batch(ctx.eval_examples[:16], ctx.tok, ctx.prompt_len)
+  prompts, lengths = loader.prompt_batch(
+    ctx.data.eval_examples[:16], ctx.data.tok, ctx.data.prompt_len
+  )
   sd = speculative.generate(
     params,
     dparams,
-    ctx.pcfg,
-    ctx.dcfg,
+    ctx.models.pcfg,
+    ctx.models.dcfg,
     prompts,
     lengths,
     jax.random.key(1),

@@ -63,11 +63,15 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     c = copy.deepcopy(config)
     c.draft.kind = draft_kind
     c.draft.block.update(over)
-    ctx = loop.Context(c, os.path.join(run_dir, kind.replace(":", "_").replace("=", "")))
+    ctx = loop.Context(
+      c,
+      os.path.join(run_dir, kind.replace(":", "_").replace("=", "")),
+      data=base.data.shared_with(c),
+    )
     dparams, _ = loop.draft_phase(ctx, params)
-    drafts[kind] = (dparams, ctx.dcfg)
+    drafts[kind] = (dparams, ctx.models.dcfg)
     last = ctx.log("draft_metrics.jsonl").read()[-1]
-    G = ctx.dcfg.ttt_steps
+    G = ctx.models.dcfg.ttt_steps
     training[kind] = {
       "draft_loss": last["draft_loss"],
       "proposals": G,
@@ -77,11 +81,11 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     print(f"  {kind}: distilled, draft loss {last['draft_loss']:.3f}", flush=True)
   rows = []
   for B in b.batch_sizes:
-    exs = [base.eval_examples[i % len(base.eval_examples)] for i in range(B)]
-    prompts_BS, lengths_B = loader.prompt_batch(exs, base.tok, base.prompt_len)
+    exs = [base.data.eval_examples[i % len(base.data.eval_examples)] for i in range(B)]
+    prompts_BS, lengths_B = loader.prompt_batch(exs, base.data.tok, base.data.prompt_len)
     row = compare_drafts(
       params,
-      base.pcfg,
+      base.models.pcfg,
       drafts,
       prompts_BS,
       lengths_B,
@@ -103,9 +107,9 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
       "temperature": b.temperature,
       "max_new_tokens": b.max_new_tokens,
       "repeats": b.repeats,
-      "policy_layers": base.pcfg.n_layers,
+      "policy_layers": base.models.pcfg.n_layers,
       "block_layers": int(config.draft.block.n_layers),
-      "d_model": base.pcfg.d_model,
+      "d_model": base.models.pcfg.d_model,
       "draft_steps": config.draft.pretrain_steps,
       "sft_steps": config.sft.steps,
     },

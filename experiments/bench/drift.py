@@ -76,7 +76,7 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     kind = parse_arm(arm, config.draft.kind)[1]
     if kind not in dparams_by_kind:
       kc = _arm_config(base_cfg, arm)
-      kctx = loop.Context(kc, os.path.join(run_dir, f"base_{kind}"))
+      kctx = loop.Context(kc, os.path.join(run_dir, f"base_{kind}"), data=base.data.shared_with(kc))
       dparams_by_kind[kind] = loop.draft_phase(kctx, params)[0]
       tau_start_by_kind[kind] = tau_by_temperature(kctx, params, dparams_by_kind[kind])
 
@@ -87,7 +87,9 @@ def run(config, workdir: str, run_dir: str | None = None) -> dict:
     for seed in range(config.drift.seeds):
       c = _arm_config(config, arm)
       c.seed, c.data.shuffle_seed = 100 + seed, 100 + seed
-      ctx = loop.Context(c, os.path.join(run_dir, f"{arm}_seed{seed}"))
+      ctx = loop.Context(
+        c, os.path.join(run_dir, f"{arm}_seed{seed}"), data=base.data.shared_with(c)
+      )
       name = f"{arm}_seed{seed}"
       if name in restored:  # its RL phase is restored, not re-run
         resumed.append({"run": name, "commit": restored[name]})
@@ -143,8 +145,8 @@ def tau_by_temperature(ctx, params, dparams) -> dict:
     gen = speculative.generate(
       params,
       dparams,
-      ctx.pcfg,
-      ctx.dcfg,
+      ctx.models.pcfg,
+      ctx.models.dcfg,
       prompts_BS,
       lengths_B,
       jax.random.key(c.seed + 17),

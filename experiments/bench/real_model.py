@@ -38,29 +38,33 @@ def parity(ctx, params, gguf_path: str, n: int, max_new_tokens: int) -> dict:
   ref = transformers.AutoModelForCausalLM.from_pretrained(
     os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
   ).eval()
-  fwd = jax.jit(lambda p, t: pol.forward(p, ctx.pcfg, t, jnp.arange(t.shape[1])[None],
+  fwd = jax.jit(lambda p, t: pol.forward(p, ctx.models.pcfg, t, jnp.arange(t.shape[1])[None],
                                          jnp.ones(t.shape, jnp.int32))[0])  # fmt: skip
   rel, equal, rows = [], True, []
-  for ex in ctx.eval_examples[:n]:
-    ids = ctx.tok.encode_prompt(ex.prompt)
+  for ex in ctx.data.eval_examples[:n]:
+    ids = ctx.data.tok.encode_prompt(ex.prompt)
     with torch.no_grad():
       want = ref(torch.tensor([ids])).logits.float().numpy()
       gen = ref.generate(
         torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=ctx.tok.eos_id, pad_token_id=ctx.tok.pad_id,
+        eos_token_id=ctx.data.tok.eos_id, pad_token_id=ctx.data.tok.pad_id,
       )[0, len(ids):].tolist()  # fmt: skip
     got = np.asarray(fwd(params, jnp.asarray([ids])))
     rel.append(float(np.abs(got - want).max() / np.abs(want).max()))
-    prompts, lengths = loader.prompt_batch([ex], ctx.tok, ctx.prompt_len)
+    prompts, lengths = loader.prompt_batch([ex], ctx.data.tok, ctx.data.prompt_len)
     ours = autoregressive.generate(
-      params, ctx.pcfg, prompts, lengths, jax.random.key(0),
+      params, ctx.models.pcfg, prompts, lengths, jax.random.key(0),
       max_new_tokens=max_new_tokens, temperature=0.0,
     )  # fmt: skip
     ours = np.asarray(ours.tokens[0, : int(ours.lengths[0])]).tolist()
-    theirs = gen[: gen.index(ctx.tok.eos_id) + 1] if ctx.tok.eos_id in gen else gen
+    theirs = gen[: gen.index(ctx.data.tok.eos_id) + 1] if ctx.data.tok.eos_id in gen else gen
     equal &= ours == theirs
     rows.append(
-      {"prompt": ex.prompt, "ours": ctx.tok.decode(ours), "transformers": ctx.tok.decode(theirs)}
+      {
+        "prompt": ex.prompt,
+        "ours": ctx.data.tok.decode(ours),
+        "transformers": ctx.data.tok.decode(theirs),
+      }
     )
   return {
     "max_rel_logit_diff": max(rel),
@@ -87,16 +91,16 @@ def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
   probe = config.copy_and_resolve_references()
   probe.draft.vocab_size = 0  # this Context only reads the task and the tokenizer
   ctx = loop.Context(probe, run_dir)
-  params = jax.device_put(hf.load_params(hf_dir, ctx.pcfg))
+  params = jax.device_put(hf.load_params(hf_dir, ctx.models.pcfg))
   n, B, rows = int(config.real.vocab_prompts), 32, []
   key = jax.random.key(config.seed + 7)
   temps = phases.rollout_temperatures(config.draft)
   for i, start in enumerate(range(0, n, B)):
-    exs = [loader.to_example(ctx.train_src[i]) for i in range(start, min(start + B, n))]
-    prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    exs = [loader.to_example(ctx.data.train_src[i]) for i in range(start, min(start + B, n))]
+    prompts, lengths = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
     key, sub = jax.random.split(key)
     gen = autoregressive.generate(
-      params, ctx.pcfg, prompts, lengths, sub,
+      params, ctx.models.pcfg, prompts, lengths, sub,
       max_new_tokens=config.decode.max_new_tokens,
       temperature=temps[i % len(temps)],
     )  # fmt: skip
@@ -104,9 +108,9 @@ def own_vocabulary(config, run_dir: str, hf_dir: str) -> str:
     rows += [t[:m].tolist() for t, m in zip(toks, lens)]
   ids = eagle3.frequent_tokens(
     rows,
-    ctx.pcfg.vocab_size,
+    ctx.models.pcfg.vocab_size,
     int(config.draft.vocab_size),
-    always=(ctx.tok.eos_id, *ctx.pcfg.stop_ids),
+    always=(ctx.data.tok.eos_id, *ctx.models.pcfg.stop_ids),
   )
   os.makedirs(run_dir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
@@ -125,21 +129,21 @@ def point(ctx, params, dparams, config, temperature: float, batch: int) -> dict:
   the means over batches (each prompt counts once), speedup the geometric mean of the batches'
   speedups; the per-batch rows are kept."""
   n = int(config.real.eval_prompts)
-  if n % batch or n > len(ctx.eval_examples):
+  if n % batch or n > len(ctx.data.eval_examples):
     raise ValueError(
       f"config.real.eval_prompts={n} must be a multiple of batch {batch} and at most "
-      f"eval.num_examples={len(ctx.eval_examples)}"
+      f"eval.num_examples={len(ctx.data.eval_examples)}"
     )
   rows = []
   for start in range(0, n, batch):
-    exs = ctx.eval_examples[start : start + batch]
-    prompts, lengths = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    exs = ctx.data.eval_examples[start : start + batch]
+    prompts, lengths = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
     rows.append(
       compare_rollouts(
         params,
         dparams,
-        ctx.pcfg,
-        ctx.dcfg,
+        ctx.models.pcfg,
+        ctx.models.dcfg,
         prompts,
         lengths,
         max_new_tokens=config.decode.max_new_tokens,
@@ -191,9 +195,9 @@ def run(config, workdir: str) -> dict:
     "config": {
       "gguf": os.path.basename(gguf_path),
       "policy": {
-        "layers": ctx.pcfg.n_layers,
-        "d_model": ctx.pcfg.d_model,
-        "vocab": ctx.pcfg.vocab_size,
+        "layers": ctx.models.pcfg.n_layers,
+        "d_model": ctx.models.pcfg.d_model,
+        "vocab": ctx.models.pcfg.vocab_size,
       },
       "draft_vocab": int(config.draft.vocab_size),
       "draft_steps": int(config.draft.pretrain_steps),

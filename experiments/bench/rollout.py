@@ -75,17 +75,17 @@ def run(config, workdir: str) -> dict:
   ctx = loop.Context(config, workdir)
   params, _ = loop.sft_phase(ctx)
   dparams, _ = loop.draft_phase(ctx, params)
-  context = ctx.prompt_len + b.max_new_tokens // 2
-  costs = pass_costs(params, dparams, ctx.pcfg, ctx.dcfg, batch=1, context=context)
+  context = ctx.data.prompt_len + b.max_new_tokens // 2
+  costs = pass_costs(params, dparams, ctx.models.pcfg, ctx.models.dcfg, batch=1, context=context)
   rows = []
   for B in b.batch_sizes:
-    exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(B)]
-    prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    exs = [ctx.data.eval_examples[i % len(ctx.data.eval_examples)] for i in range(B)]
+    prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
     row = compare_rollouts(
       params,
       dparams,
-      ctx.pcfg,
-      ctx.dcfg,
+      ctx.models.pcfg,
+      ctx.models.dcfg,
       prompts_BS,
       lengths_B,
       max_new_tokens=b.max_new_tokens,
@@ -102,8 +102,8 @@ def run(config, workdir: str) -> dict:
       "temperature": b.temperature,
       "max_new_tokens": b.max_new_tokens,
       "repeats": b.repeats,
-      "policy_layers": ctx.pcfg.n_layers,
-      "d_model": ctx.pcfg.d_model,
+      "policy_layers": ctx.models.pcfg.n_layers,
+      "d_model": ctx.models.pcfg.d_model,
     },
     "pass_costs": costs,
     "rows": rows,
@@ -130,8 +130,8 @@ def run_sweep(config, workdir: str) -> dict:
   sweep = sweep_num_draft(
     params,
     dparams,
-    ctx.pcfg,
-    ctx.dcfg,
+    ctx.models.pcfg,
+    ctx.models.dcfg,
     prompts_BS,
     lengths_B,
     max_new_tokens=b.max_new_tokens,
@@ -142,7 +142,14 @@ def run_sweep(config, workdir: str) -> dict:
   )
   G, N = sweep["best_num_draft"], b.max_new_tokens
   run = generators(
-    params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, max_new_tokens=N, num_draft=G
+    params,
+    dparams,
+    ctx.models.pcfg,
+    ctx.models.dcfg,
+    prompts_BS,
+    lengths_B,
+    max_new_tokens=N,
+    num_draft=G,
   )
   greedy = greedy_agreement(run["ar"], run["sd"], jax.random.key(100))
   payload = {
@@ -151,9 +158,9 @@ def run_sweep(config, workdir: str) -> dict:
       "temperature": b.temperature,
       "max_new_tokens": N,
       "repeats": b.repeats,
-      "policy_layers": ctx.pcfg.n_layers,
-      "d_model": ctx.pcfg.d_model,
-      "ttt_steps": ctx.dcfg.ttt_steps,
+      "policy_layers": ctx.models.pcfg.n_layers,
+      "d_model": ctx.models.pcfg.d_model,
+      "ttt_steps": ctx.models.dcfg.ttt_steps,
       "draft_steps": config.draft.pretrain_steps,
     },
     "sweep": sweep,
@@ -221,6 +228,7 @@ def run_adaptive(config, workdir: str) -> dict:
   ctx = loop.Context(config, workdir)
   params, _ = loop.sft_phase(ctx)
   dparams, _ = loop.draft_phase(ctx, params)
+  models = (ctx.models.pcfg, ctx.models.dcfg)
   M, N = max(b.num_drafts), b.max_new_tokens
   correct = config.decode.get("cost_correction", True)
   outlier = config.decode.get("cost_outlier", 0.0)
@@ -230,19 +238,19 @@ def run_adaptive(config, workdir: str) -> dict:
     tokens=tuple(sorted({1, (M + 2) // 2, M + 1})),
     round_rows=tuple(b.grid_round_rows),
     round_G=tuple(sorted({max(1, (M + 1) // 2), M})),
-    capacity=ctx.prompt_len + N + M + 2,
-    prompt_len=ctx.prompt_len,
+    capacity=ctx.data.prompt_len + N + M + 2,
+    prompt_len=ctx.data.prompt_len,
     adaptive=correct,
     stage=correct and stage,  # the fixed loop at every G: the rounds the stage plan prices
   )
   model, record = cost.calibrate(
-    params, dparams, ctx.pcfg, ctx.dcfg, grid=grid, cache_dir=os.path.join(workdir, "cost"),
-    correct=correct, outlier=outlier,
+    params, dparams, *models, grid=grid, cache_dir=os.path.join(workdir, "cost"), correct=correct,
+    outlier=outlier,
   )  # fmt: skip
   # G chosen per stage (decode.auto_every = stage) runs the fixed loop: its correction is from
   # the calibration's AR steps and fixed-loop rounds
   stage_fix = cost.Correction.from_points(
-    record["points"], ctx.pcfg.n_layers, every="stage", outlier=outlier
+    record["points"], ctx.models.pcfg.n_layers, every="stage", outlier=outlier
   )
   stage_model = dataclasses.replace(model, correction=stage_fix if correct else None)
   # bench.as_timed_arm: a second stage arm whose plan prices every timed round as measured
@@ -250,17 +258,17 @@ def run_adaptive(config, workdir: str) -> dict:
   # G they run the same program (another control)
   as_timed = None
   if stage and correct and outlier > 0 and b.get("as_timed_arm", False):
-    fix = cost.Correction.from_points(record["points"], ctx.pcfg.n_layers, every="stage")
+    fix = cost.Correction.from_points(record["points"], ctx.models.pcfg.n_layers, every="stage")
     as_timed = dataclasses.replace(model, correction=fix)
   window = config.decode.get("catch_up_window", 8)
   kw = dict(max_new_tokens=N, compact=True, min_rows=b.min_rows, window=window)
   rows = []
   for B in b.batch_sizes:
-    exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(B)]
-    prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
+    exs = [ctx.data.eval_examples[i % len(ctx.data.eval_examples)] for i in range(B)]
+    prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
     prior = cost.Acceptance.prior(M, config.decode.prior_rate, config.decode.prior_weight)
     warm = engine.generate(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, jax.random.key(99),
+      params, dparams, ctx.models.pcfg, ctx.models.dcfg, prompts_BS, lengths_B, jax.random.key(99),
       temperature=b.temperature, num_draft=M, adaptive=True, cost=model, prior=prior, **kw,
     )  # fmt: skip
     stats = {k: multihost.to_host(warm.stats[k]) for k in ("accept_counts", "reach_counts")}
@@ -274,28 +282,37 @@ def run_adaptive(config, workdir: str) -> dict:
         params, dparams, ctx, prompts_BS, lengths_B, stage_model, prior, config, b, kw
       )
       jax.clear_caches()  # (the learning's programs: held on, they crowd the process's mappings)
-    run = engine_arms(params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, **arms_kw)
+    run = engine_arms(
+      params, dparams, ctx.models.pcfg, ctx.models.dcfg, prompts_BS, lengths_B, **arms_kw
+    )
     run["ar_plain"] = lambda key, t: autoregressive.generate(
-      params, ctx.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
+      params, ctx.models.pcfg, prompts_BS, lengths_B, key, temperature=t, max_new_tokens=N
     )
     if b.get("control", False):  # the fixed arm at G_max again: the same program, timed apart
       run["control"] = run[M]
     # the first (untimed) calls run every bucket's stage: no timed call compiles one
     every_stage = engine_arms(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=True, **arms_kw
+      params,
+      dparams,
+      ctx.models.pcfg,
+      ctx.models.dcfg,
+      prompts_BS,
+      lengths_B,
+      every_stage=True,
+      **arms_kw,
     )
     if "control" in run:
       every_stage["control"] = every_stage[M]
     if learned is not None:
       for arms, full in ((run, False), (every_stage, True)):
         arms["auto_stage_learned"] = engine_arms(
-          params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=full,
+          params, dparams, *models, prompts_BS, lengths_B, every_stage=full,
           **dict(arms_kw, prices=learned),
         )["auto_stage"]  # fmt: skip
     if as_timed is not None:
       for arms, full in ((run, False), (every_stage, True)):
         arms["auto_stage_as_timed"] = engine_arms(
-          params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, every_stage=full,
+          params, dparams, *models, prompts_BS, lengths_B, every_stage=full,
           **dict(arms_kw, stage_cost=as_timed),
         )["auto_stage"]  # fmt: skip
     first, samples = time_side_by_side(
@@ -316,7 +333,7 @@ def run_adaptive(config, workdir: str) -> dict:
     row.update(greedy_agreement(run["ar"], run["auto"], jax.random.key(100)))
     if stage:  # the G each bucket's stage drafted, and what it was chosen from
       sizes = engine.buckets(B, b.min_rows)
-      spec = speculative.Spec(ctx.pcfg, ctx.dcfg, N, M, True, None)
+      spec = speculative.Spec(ctx.models.pcfg, ctx.models.dcfg, N, M, True, None)
       row["stage_plan"] = {str(k): v for k, v in engine.stage_plan(
         stage_model, prior, sizes, spec, capacity
       ).items()}  # fmt: skip
@@ -385,8 +402,8 @@ def run_adaptive(config, workdir: str) -> dict:
       "price_prior_rounds": config.decode.get("price_prior_rounds", 4.0),
       "price_keep": config.decode.get("price_keep", 0.7),
       "cost_outlier": outlier,
-      "policy_layers": ctx.pcfg.n_layers,
-      "d_model": ctx.pcfg.d_model,
+      "policy_layers": ctx.models.pcfg.n_layers,
+      "d_model": ctx.models.pcfg.d_model,
     },
     "cost_model": record,
     "cost_correction": dataclasses.asdict(model.correction) if model.correction else None,
@@ -452,6 +469,7 @@ def _learn_stage_prices(params, dparams, ctx, prompts_BS, lengths_B, model, prio
   """(StagePrices, [{plan, stages}]): `bench.learn_rollouts` untimed rollouts of the G-per-stage
   plan, keys 200, 201, ..., each planning with the prices the earlier ones learned and folding its
   own stages' times in (stages whose call compiled are left out), as an RL run's rollouts do."""
+  models = (ctx.models.pcfg, ctx.models.dcfg)
   prices = cost.StagePrices(
     config.decode.get("price_prior_rounds", 4.0), config.decode.get("price_keep", 0.7)
   )
@@ -459,7 +477,7 @@ def _learn_stage_prices(params, dparams, ctx, prompts_BS, lengths_B, model, prio
   for k in range(int(b.learn_rollouts)):
     timings = []
     engine.generate(
-      params, dparams, ctx.pcfg, ctx.dcfg, prompts_BS, lengths_B, jax.random.key(200 + k),
+      params, dparams, *models, prompts_BS, lengths_B, jax.random.key(200 + k),
       temperature=b.temperature, num_draft=max(b.num_drafts), adaptive=True, per_stage=True,
       cost=model, prior=prior, prices=prices, timings=timings, **kw,
     )  # fmt: skip

@@ -85,9 +85,9 @@ def held_out_prompts(ctx):
   """(prompts_BS, lengths_B): `eval.batch_size` held-out prompts (repeated if there are fewer),
   rows sharded as in rollouts."""
   n = ctx.config.eval.batch_size
-  exs = [ctx.eval_examples[i % len(ctx.eval_examples)] for i in range(n)]
-  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.tok, ctx.prompt_len)
-  return _place_rows(prompts_BS, lengths_B, ctx.rows_sh)
+  exs = [ctx.data.eval_examples[i % len(ctx.data.eval_examples)] for i in range(n)]
+  prompts_BS, lengths_B = loader.prompt_batch(exs, ctx.data.tok, ctx.data.prompt_len)
+  return _place_rows(prompts_BS, lengths_B, ctx.layout.rows_sharding(ndim=2))
 
 
 def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = False) -> dict:
@@ -109,15 +109,15 @@ def rollout_report(ctx, params, dparams, *, repeats: int = 3, as_run: bool = Fal
     engine_kw = dict(
       ctx.engine_settings(adaptive=auto),
       cost=ctx.cost_model({"policy": params, "draft": dparams}) if auto else None,
-      prior=ctx.acceptance if auto else None,
+      prior=ctx.rollouts.acceptance if auto else None,
     )
     if auto and engine_kw["per_stage"] and c.decode.get("price_feedback", False):
-      engine_kw["prices"] = ctx.stage_prices  # what the run's rollouts' stages cost
+      engine_kw["prices"] = ctx.rollouts.stage_prices  # what the run's rollouts' stages cost
   return compare_rollouts(
     params,
     dparams,
-    ctx.pcfg,
-    ctx.dcfg,
+    ctx.models.pcfg,
+    ctx.models.dcfg,
     prompts_BS,
     lengths_B,
     max_new_tokens=c.decode.max_new_tokens,

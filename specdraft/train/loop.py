@@ -177,7 +177,7 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
   # 5. Plots and the summary (process 0 writes them; every process returns the summary).
   multihost.sync("specdraft: logs written")
   if multihost.is_primary():
-    write_plots(workdir, config, ttt_steps=ctx.dcfg.ttt_steps)
+    write_plots(workdir, config, ttt_steps=ctx.models.dcfg.ttt_steps)
   summary = summarise(workdir, config, rollout)
   lap("plots")
   # 6. The policy and the draft for serving (export.dir), once every phase has finished.
@@ -188,9 +188,9 @@ def train_and_evaluate(config, workdir: str, *, stop_after: tuple[str, int] | No
     out = out if os.path.isabs(out) else os.path.join(workdir, out)
     summary["export"] = export.export_run(
       out,
-      ctx.pcfg,
+      ctx.models.pcfg,
       params,
-      ctx.dcfg,
+      ctx.models.dcfg,
       dparams,
       dtype=config.export.get("dtype", "float32"),
       tokenizer_path=tok_lib.tokenizer_path(config),

@@ -48,10 +48,124 @@ from specdraft.train.report import RunLog, progress
 from specdraft.train.spec import StepSpec
 
 
-class Context:
-  """Everything a run's phases share: task, data sources, model configs, mesh and layouts."""
+@dataclasses.dataclass(frozen=True)
+class Models:
+  """The run's model configs: the policy's and its draft's (None: no draft)."""
 
-  def __init__(self, config, workdir: str, *, validated: bool = False):
+  pcfg: Any  # model.policy.PolicyConfig
+  dcfg: Any  # eagle3.DraftConfig | dflash.BlockDraftConfig | None
+
+
+class RunData:
+  """The run's task and its data, built once from the config: the task, the tokenizer, the
+  training split, the held-out examples and the prompt bound. It depends only on the fields of
+  `KEYS`, so runs whose configs agree there (a benchmark's arms) can share one (`Context(data=)`).
+  Process 0 generates the task's files (once per data_dir); the others then read them."""
+
+  # the config fields a RunData is built from (a shared one must agree on all of them)
+  KEYS = ("task", "tokenizer", "data.data_dir", "data.seq_len", "eval.num_examples", "sft.steps")
+
+  def __init__(self, config):
+    tfds.disable_progress_bar()
+    self.key = self.key_of(config)
+    self.task = make_task(config.task)
+    self.tok = tok_lib.make_tokenizer(config)
+    if not multihost.is_primary():
+      multihost.sync("specdraft: task data prepared")
+    self.train_src = task_data.data_source(config.task, config.data.data_dir, "train")
+    test_src = task_data.data_source(config.task, config.data.data_dir, "test")
+    if multihost.is_primary():
+      multihost.sync("specdraft: task data prepared")
+    n_eval = min(config.eval.num_examples, len(test_src))
+    self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
+    # a pretrained tokenizer's bound from characters is loose: its prompts are measured instead
+    prompts = None
+    if not isinstance(self.tok, tok_lib.CharTokenizer):
+      srcs = (self.train_src, test_src)
+      prompts = [task_data.to_example(s[i]).prompt for s in srcs for i in range(len(s))]
+      if config.sft.steps > 0:
+        self._check_sft_rows(config.data.seq_len)
+    self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
+
+  @classmethod
+  def key_of(cls, config) -> str:
+    """The config fields of `KEYS`, as one string (two configs agreeing on it share data)."""
+    out = []
+    for path in cls.KEYS:
+      v = config
+      for part in path.split("."):
+        v = v.get(part) if hasattr(v, "get") else None
+      out.append(f"{path}={v.to_json() if hasattr(v, 'to_json') else v!r}")
+    return "; ".join(out)
+
+  def shared_with(self, config) -> RunData | None:
+    """This data for a run of `config` when it agrees on every field of `KEYS`, else None (the
+    run builds its own): `Context(config, workdir, data=base.data.shared_with(config))`."""
+    return self if self.key == self.key_of(config) else None
+
+  def _check_sft_rows(self, seq_len: int):
+    """A pretrained tokenizer's rows, measured on the training split before anything compiles
+    (validation's bound from characters is loose for a BPE): each must fit data.seq_len."""
+    longest, where = 0, None
+    for i in range(len(self.train_src)):
+      ex = task_data.to_example(self.train_src[i])
+      n = len(self.tok.encode_prompt(ex.prompt)) + len(self.tok.encode_answer(ex.answer))
+      if n > longest:
+        longest, where = n, ex
+    if longest > seq_len:
+      config_lib.invalid(
+        "data.seq_len",
+        seq_len,
+        f"the longest training example is {longest} tokens with {self.tok.path} "
+        f"({where.prompt!r} -> {where.answer[:40]!r})",
+      )
+
+  def draft_vocab(self, draft_cfg, pcfg):
+    """A reduced draft vocabulary (draft.vocab_size > 0): the user's file (draft.vocab_file),
+    else the most frequent tokens of the training split's answers (EOS and the stop tokens always
+    in); None for the policy's whole vocabulary."""
+    n = int(draft_cfg.get("vocab_size", 0))
+    if not n or n >= pcfg.vocab_size:
+      return None
+    path = draft_cfg.get("vocab_file", "")
+    if path:  # the user's own choice (e.g. from the policy's own generations), checked
+      return config_lib.read_draft_vocab(path, n, pcfg.vocab_size)
+    rows = (
+      self.tok.encode_answer(task_data.to_example(self.train_src[i]).answer)
+      for i in range(len(self.train_src))
+    )
+    stops = (self.tok.eos_id, *pcfg.stop_ids)  # a draft must be able to stop
+    return eagle3.frequent_tokens(rows, pcfg.vocab_size, n, always=stops)
+
+
+@dataclasses.dataclass
+class RolloutState:
+  """What the RL rollouts carry from one to the next (decode.speculation = auto): the acceptance
+  each rollout's G choices start from, what the rollouts' stages cost against their plan's prices
+  (decode.price_feedback; G chosen per stage), the last rollout's stage records (metrics.jsonl)
+  and the cost model of a round, calibrated on first use (`Context.cost_model`)."""
+
+  acceptance: cost.Acceptance
+  stage_prices: cost.StagePrices
+  stage_times: list = dataclasses.field(default_factory=list)
+  cost_model: cost.CostModel | None = None
+
+  @classmethod
+  def from_config(cls, dec) -> RolloutState:
+    return cls(
+      cost.Acceptance.prior(dec.num_draft, dec.prior_rate, dec.prior_weight),
+      cost.StagePrices(dec.get("price_prior_rounds", 4.0), dec.get("price_keep", 0.7)),
+    )
+
+
+class Context:
+  """What a run's phases share, in parts: `data` (RunData: task, tokenizer, splits, prompt
+  bound), `models` (the policy's and draft's configs), `layout` (parallel/layout.py: mesh, rules,
+  pipeline, cp and the shardings they give) and `rollouts` (RolloutState), with the config and
+  the workdir; its methods join them (batches placed on the mesh, the phase's StepSpec,
+  checkpoints and logs under the workdir, the calibrated cost model)."""
+
+  def __init__(self, config, workdir: str, *, validated: bool = False, data: RunData | None = None):
     if not validated:  # (train_and_evaluate validates before it checks the workdir)
       config_lib.validate(config)
     if config.decode.get("auto_every", "round") not in cost.AUTO_EVERY:
@@ -78,99 +192,40 @@ class Context:
         f"config.parallel.devices={config.parallel.devices!r} is invalid in a multi-process run "
         f"({jax.process_count()} processes): the mesh must cover every process's devices (0)"
       )
-    tfds.disable_progress_bar()
+    if data is not None and data.key != RunData.key_of(config):
+      raise ValueError(
+        f"data= was built from another task or data config ({data.key}) than this run's "
+        f"({RunData.key_of(config)}): build the run's own (data=None)"
+      )
     self.config, self.workdir = config, workdir
-    self.task = make_task(config.task)
-    self.tok = tok_lib.make_tokenizer(config)
-    # Process 0 generates the task's files (once per data_dir); the others then read them.
-    if not multihost.is_primary():
-      multihost.sync("specdraft: task data prepared")
-    self.train_src = task_data.data_source(config.task, config.data.data_dir, "train")
-    test_src = task_data.data_source(config.task, config.data.data_dir, "test")
-    if multihost.is_primary():
-      multihost.sync("specdraft: task data prepared")
-    n_eval = min(config.eval.num_examples, len(test_src))
-    self.eval_examples = [task_data.to_example(test_src[i]) for i in range(n_eval)]
-    self.pcfg = state_lib.policy_config(config, self.tok)
-    self.dcfg = drafts.draft_config(
-      config.draft, self.pcfg, config.decode.num_draft, vocab_ids=self._draft_vocab()
+    self.data = data if data is not None else RunData(config)
+    pcfg = state_lib.policy_config(config, self.data.tok)
+    vocab_ids = self.data.draft_vocab(config.draft, pcfg)
+    self.models = Models(
+      pcfg, drafts.draft_config(config.draft, pcfg, config.decode.num_draft, vocab_ids=vocab_ids)
     )
     # The one owner of placement: mesh, rules, pipeline, cp (parallel/layout.py). Pipeline
     # layouts (pp > 1) train the policy as a pipeline over 'pp' with the draft on the last stage;
-    # rollouts and evaluation run the unpipelined decoder.
+    # rollouts and evaluation run the unpipelined decoder. Training steps run on sequence shards
+    # over 'cp' (train/sequence.py), their rows padded so that the attention kernel's tiles
+    # divide them (config.attention).
     self.layout = Layout.from_config(config.parallel)
-    self.mesh, self.rules, self.pipeline = self.layout.mesh, self.layout.rules, self.layout.pipeline
-    self.rows_sh = self.layout.rows_sharding(ndim=2)
-    self.rows_sh1 = self.layout.rows_sharding(ndim=1)
-    self._lay_out_jit = {}
-    # a pretrained tokenizer's bound from characters is loose: its prompts are measured instead
-    prompts = None
-    if not isinstance(self.tok, tok_lib.CharTokenizer):
-      srcs = (self.train_src, test_src)
-      prompts = [task_data.to_example(s[i]).prompt for s in srcs for i in range(len(s))]
-      if config.sft.steps > 0:
-        self._check_sft_rows()
-    self.prompt_len = prompt_len_for(self.task, self.tok, prompts)
-    # Training steps run on sequence shards over 'cp' (train/sequence.py), pipelined or not;
-    # their rows padded so that the attention kernel's tiles divide them (config.attention)
-    self.cp = self.layout.cp
     self.row_multiple = sequence.row_multiple(KernelSettings.from_config(config.get("attention")))
-    # Adaptive speculation (decode.speculation = auto): the acceptance each rollout's G choices
-    # start from (updated after every rollout) and the cost model of a round (calibrated once).
-    dec = config.decode
-    self.acceptance = cost.Acceptance.prior(dec.num_draft, dec.prior_rate, dec.prior_weight)
-    # with G chosen per stage: what the rollouts' stages cost against their plan's prices
-    # (decode.price_feedback; updated after every rollout, read by the next plan)
-    self.stage_prices = cost.StagePrices(
-      dec.get("price_prior_rounds", 4.0), dec.get("price_keep", 0.7)
-    )
-    self.stage_times = []  # the last rollout's stage records (metrics.jsonl)
-    self._cost_model = None
+    self._lay_out_jit = {}
+    self.rollouts = RolloutState.from_config(config.decode)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
-
-  def _check_sft_rows(self):
-    """A pretrained tokenizer's rows, measured on the training split before anything compiles
-    (validation's bound from characters is loose for a BPE): each must fit data.seq_len."""
-    longest, where = 0, None
-    for i in range(len(self.train_src)):
-      ex = task_data.to_example(self.train_src[i])
-      n = len(self.tok.encode_prompt(ex.prompt)) + len(self.tok.encode_answer(ex.answer))
-      if n > longest:
-        longest, where = n, ex
-    if longest > self.config.data.seq_len:
-      config_lib.invalid(
-        "data.seq_len",
-        self.config.data.seq_len,
-        f"the longest training example is {longest} tokens with {self.tok.path} "
-        f"({where.prompt!r} -> {where.answer[:40]!r})",
-      )
-
-  def _draft_vocab(self):
-    """A reduced draft vocabulary (draft.vocab_size > 0): the most frequent tokens of the
-    training split's answers (EOS always in), else None."""
-    n = int(self.config.draft.get("vocab_size", 0))
-    if not n or n >= self.pcfg.vocab_size:
-      return None
-    path = self.config.draft.get("vocab_file", "")
-    if path:  # the user's own choice (e.g. from the policy's own generations), checked
-      return config_lib.read_draft_vocab(path, n, self.pcfg.vocab_size)
-    rows = (
-      self.tok.encode_answer(task_data.to_example(self.train_src[i]).answer)
-      for i in range(len(self.train_src))
-    )
-    stops = (self.tok.eos_id, *self.pcfg.stop_ids)  # a draft must be able to stop
-    return eagle3.frequent_tokens(rows, self.pcfg.vocab_size, n, always=stops)
 
   def training_batch(self, blocks: dict[int, dict], num_shards: int) -> dict:
     """The global training batch from this process's data shards ({shard j: host batch}), each
     laid out (padded, zigzag order over cp) on the host and placed on the mesh."""
     keep = lambda b: {k: v for k, v in b.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
     laid = {
-      j: sequence.lay_out(keep(b), self.cp, multiple=self.row_multiple) for j, b in blocks.items()
+      j: sequence.lay_out(keep(b), self.layout.cp, multiple=self.row_multiple)
+      for j, b in blocks.items()
     }
     first = next(iter(laid.values()))
     rows = len(first["tokens"])
-    shardings = sequence.batch_shardings(first, self.mesh, self.rules)
+    shardings = sequence.batch_shardings(first, self.layout.mesh, self.layout.rules)
     return {
       k: multihost.assemble({j: b[k] for j, b in laid.items()}, rows, num_shards, shardings[k])
       for k in first
@@ -181,8 +236,8 @@ class Context:
     keep = {k: v for k, v in batch.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
     key = tuple((k, v.shape) for k, v in sorted(keep.items()))
     if key not in self._lay_out_jit:
-      lay = functools.partial(sequence.lay_out, cp=self.cp, multiple=self.row_multiple)
-      out = sequence.batch_shardings(jax.eval_shape(lay, keep), self.mesh, self.rules)
+      lay = functools.partial(sequence.lay_out, cp=self.layout.cp, multiple=self.row_multiple)
+      out = sequence.batch_shardings(jax.eval_shape(lay, keep), self.layout.mesh, self.layout.rules)
       self._lay_out_jit[key] = jax.jit(lay, out_shardings=out)
     return self._lay_out_jit[key](keep)
 
@@ -191,19 +246,19 @@ class Context:
     stream; `units` prompts a batch, each rolled out `rows_per_unit` times)."""
     c = self.config
     make = lambda j, n: loader.prompt_dataset(
-      self.train_src,
-      self.tok,
+      self.data.train_src,
+      self.data.tok,
       batch_size=units // n,
-      prompt_len=self.prompt_len,
+      prompt_len=self.data.prompt_len,
       seed=c.data.shuffle_seed + seed_offset,
       shard=(j, n),
     )
     return shards.ShardedStream(
       make,
       units=units,
-      mesh=self.mesh,
-      rules=self.rules,
-      sharding=self.rows_sh,
+      mesh=self.layout.mesh,
+      rules=self.layout.rules,
+      sharding=self.layout.rows_sharding(ndim=2),
       rows_per_unit=rows_per_unit,
     )
 
@@ -214,16 +269,16 @@ class Context:
     prompts = {j: np.repeat(b["prompts"], repeat, axis=0) for j, b in pb.items()}
     lengths = {j: np.repeat(b["prompt_lengths"], repeat, axis=0) for j, b in pb.items()}
     return (
-      multihost.assemble(prompts, per, n, self.rows_sh),
-      multihost.assemble(lengths, per, n, self.rows_sh1),
+      multihost.assemble(prompts, per, n, self.layout.rows_sharding(ndim=2)),
+      multihost.assemble(lengths, per, n, self.layout.rows_sharding()),
     )
 
   def step_spec(self, phase: str, tx) -> StepSpec:
     """The training step of `phase` ("sft", "draft", "rl") on this run's layout, with optimizer
     `tx` (`train.spec.StepSpec.from_config`)."""
     return StepSpec.from_config(
-      self.config, phase, pcfg=self.pcfg, dcfg=self.dcfg, tx=tx, mesh=self.mesh,
-      pipeline=self.pipeline,
+      self.config, phase, pcfg=self.models.pcfg, dcfg=self.models.dcfg, tx=tx,
+      mesh=self.layout.mesh, pipeline=self.layout.pipeline,
     )  # fmt: skip
 
   def checkpointer(self, phase: str) -> ckpt_lib.Checkpointer:
@@ -246,14 +301,16 @@ class Context:
       compact=d.compact,
       min_rows=d.min_rows,
       window=d.get("catch_up_window", 8),
-      rows=engine.Rows(self.mesh, self.rows_sh1.spec[0]) if self.mesh.size > 1 else None,
+      rows=engine.Rows(self.layout.mesh, self.layout.rows_sharding().spec[0])
+      if self.layout.mesh.size > 1
+      else None,
     )
 
   def for_decoding(self, params):
     """`params` placed as a decoding loop reads them (`Layout.decode_shardings`: gathered over
     fsdp, cp and pp, split over tensor only), once per call: a rollout gathers its weights once,
     not on every round of its loop."""
-    if self.mesh.size == 1:
+    if self.layout.mesh.size == 1:
       return params
     sh = self.layout.decode_shardings(jax.tree.map(lambda x: x.sharding, params))
     key = ("decode", jax.tree.structure(params))
@@ -265,7 +322,7 @@ class Context:
     """The cost model of a rollout round, calibrated on first use at this run's rollout shapes
     (cached under workdir/cost; in a multi-process run process 0's coefficients are everyone's,
     so every process chooses the same G)."""
-    if self._cost_model is None:
+    if self.rollouts.cost_model is None:
       c = self.config
       correct = c.decode.get("cost_correction", True)
       every = c.decode.get("auto_every", "round")
@@ -276,8 +333,8 @@ class Context:
         tokens=tuple(sorted({1, (G + 2) // 2, G + 1})),
         round_rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
         round_G=tuple(sorted({max(1, (G + 1) // 2), G})),
-        capacity=self.prompt_len + N + G + 2,
-        prompt_len=self.prompt_len,
+        capacity=self.data.prompt_len + N + G + 2,
+        prompt_len=self.data.prompt_len,
         adaptive=correct and every == "round",  # a G per stage runs the fixed loop's rounds
         stage=correct and every == "stage",  # ... at every G, as its stages run them
       )
@@ -285,8 +342,8 @@ class Context:
       model, _ = cost.calibrate(
         trainable["policy"],
         trainable["draft"],
-        self.pcfg,
-        self.dcfg,
+        self.models.pcfg,
+        self.models.dcfg,
         grid=grid,
         cache_dir=cache_dir,
         correct=correct,
@@ -306,22 +363,22 @@ class Context:
           table = multihost_utils.broadcast_one_to_all(np.asarray(k.log_ratio, np.float64))
           correction = dataclasses.replace(k, log_ratio=tuple(map(tuple, table.tolist())))
           model = dataclasses.replace(model, correction=correction)
-      self._cost_model = model
-    return self._cost_model
+      self.rollouts.cost_model = model
+    return self.rollouts.cost_model
 
   def greedy_accuracy(self, params, *, samples: bool = False) -> dict:
     """Greedy held-out accuracy of the policy `params` (with a few samples if asked)."""
     c = self.config
     res = evaluate(
       params,
-      self.pcfg,
-      self.task,
-      self.eval_examples,
+      self.models.pcfg,
+      self.data.task,
+      self.data.eval_examples,
       batch_size=c.eval.batch_size,
       max_new_tokens=c.decode.max_new_tokens,
-      prompt_len=self.prompt_len,
-      sharding=self.rows_sh,
-      tok=self.tok,
+      prompt_len=self.data.prompt_len,
+      sharding=self.layout.rows_sharding(ndim=2),
+      tok=self.data.tok,
     )
     return res if samples else {"accuracy": res["accuracy"]}
 
@@ -413,8 +470,8 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
   """Supervised fine-tuning of the policy; returns (params, finished)."""
   c = ctx.config
   make = lambda j, n: loader.sft_dataset(
-    ctx.train_src,
-    ctx.tok,
+    ctx.data.train_src,
+    ctx.data.tok,
     batch_size=c.data.batch_size // n,
     seq_len=c.data.seq_len,
     packing=c.data.packing,
@@ -424,13 +481,13 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
   data = shards.ShardedStream(
     make,
     units=c.data.batch_size,
-    mesh=ctx.mesh,
-    rules=ctx.rules,
+    mesh=ctx.layout.mesh,
+    rules=ctx.layout.rules,
     sharding=ctx.layout.batch_sharding(ndim=2),
   )
   tx = step_lib.make_optimizer(c.sft, c.sft.steps)
   state = state_lib.init_state(
-    ctx.pcfg, tx, ctx.layout, c.seed, init_from=c.model.get("init_from", "") or ""
+    ctx.models.pcfg, tx, ctx.layout, c.seed, init_from=c.model.get("init_from", "") or ""
   )
   sh = state_lib.state_shardings(state)
   spec = ctx.step_spec("sft", tx)
@@ -460,7 +517,9 @@ def sft_phase(ctx: Context, stop_after: int | None = None):
 def init_draft(ctx: Context, params):
   """The draft's initial parameters (`state.init_draft`: EAGLE-3's head and every kind's final
   norm start from the policy's), sharded by the layout's rules."""
-  return state_lib.init_draft(ctx.dcfg, ctx.pcfg, params, ctx.layout, ctx.config.seed + 1)
+  return state_lib.init_draft(
+    ctx.models.dcfg, ctx.models.pcfg, params, ctx.layout, ctx.config.seed + 1
+  )
 
 
 def rollout_temperatures(dc) -> tuple[float, ...]:
@@ -582,7 +641,9 @@ def _rollout_step(ctx: Context):
   @jax.jit
   def join(gen, prompts_BS, lengths_B):
     # rows stay where their prompts were: each process scores the rows of its data shards
-    gen = gen._replace(tokens=jax.lax.with_sharding_constraint(gen.tokens, ctx.rows_sh))
+    gen = gen._replace(
+      tokens=jax.lax.with_sharding_constraint(gen.tokens, ctx.layout.rows_sharding(ndim=2))
+    )
     return gen, join_prompt_completion(prompts_BS, lengths_B, gen)
 
   feedback = auto and kw["per_stage"] and c.decode.get("price_feedback", False)
@@ -595,23 +656,23 @@ def _rollout_step(ctx: Context):
     gen = engine.generate(
       trainable["policy"],
       trainable["draft"] if sd else None,
-      ctx.pcfg,
-      ctx.dcfg,
+      ctx.models.pcfg,
+      ctx.models.dcfg,
       prompts_BS,
       lengths_B,
       sub,
       cost=cost,
-      prior=ctx.acceptance,
-      prices=ctx.stage_prices if feedback else None,
+      prior=ctx.rollouts.acceptance,
+      prices=ctx.rollouts.stage_prices if feedback else None,
       timings=timings,
       **kw,
     )
     if auto:  # the next rollout starts from this one's acceptance (geometric forgetting)
       stats = {k: multihost.to_host(gen.stats[k]) for k in ("accept_counts", "reach_counts")}
-      ctx.acceptance = ctx.acceptance.updated(stats, keep=c.decode.prior_keep)
+      ctx.rollouts.acceptance = ctx.rollouts.acceptance.updated(stats, keep=c.decode.prior_keep)
     if feedback:  # ... and plans with what this one's stages cost
-      ctx.stage_times = _agreed_stage_times(timings)
-      ctx.stage_prices = ctx.stage_prices.updated(ctx.stage_times)
+      ctx.rollouts.stage_times = _agreed_stage_times(timings)
+      ctx.rollouts.stage_prices = ctx.rollouts.stage_prices.updated(ctx.rollouts.stage_times)
     gen, batch = join(gen, prompts_BS, lengths_B)
     return gen, batch, key_data
 
@@ -648,16 +709,16 @@ def _rl_iteration(ctx: Context, stream, rollout_step, train_step, state, pb):
   for r, row in multihost.host_rows(gen.tokens).items():
     j, i = divmod(r, per)
     b = pb[j]
-    text = ctx.tok.decode(row)
+    text = ctx.data.tok.decode(row)
     ex = Example(str(b["prompt_text"][i // group]), str(b["answer_text"][i // group]))
-    fmt = ctx.task.format_of(text) if hasattr(ctx.task, "format_of") else None
-    scored[r] = (float(ctx.task.reward(ex, text)), fmt)
+    fmt = ctx.data.task.format_of(text) if hasattr(ctx.data.task, "format_of") else None
+    scored[r] = (float(ctx.data.task.reward(ex, text)), fmt)
   scored = multihost.gather_rows(scored)
   rows = stream.num_shards * per
   rewards = np.asarray([scored[r][0] for r in range(rows)], np.float32)
   formats = [scored[r][1] for r in range(rows)]
   advantages = np.asarray(grpo.group_advantages(jnp.asarray(rewards), group, mode=rl.advantage))
-  adv = multihost.put(advantages, ctx.rows_sh1)
+  adv = multihost.put(advantages, ctx.layout.rows_sharding())
   batch = ctx.device_training_batch(dict(batch, advantages=adv))
   t1 = time.perf_counter()
   state, metrics = jax.block_until_ready(train_step(dict(state, key=key_data), batch))
@@ -686,12 +747,12 @@ def _rollout_metrics(ctx: Context, gen, rewards, formats) -> dict:
   if "num_draft_counts" in st:  # SD: the G each round drafted (decode.speculation = auto)
     m["num_draft_counts"] = st["num_draft_counts"].tolist()
     m["num_draft_trace"] = st["num_draft_trace"][:rounds].tolist()
-  if ctx.stage_times:  # G per stage with price feedback: what each stage cost
+  if ctx.rollouts.stage_times:  # G per stage with price feedback: what each stage cost
     m["stage_times"] = [
       {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
-      for r in ctx.stage_times
+      for r in ctx.rollouts.stage_times
     ]
-    m["stage_price_factors"] = ctx.stage_prices.summary()
-  if hasattr(ctx.task, "format_of"):
+    m["stage_price_factors"] = ctx.rollouts.stage_prices.summary()
+  if hasattr(ctx.data.task, "format_of"):
     m["format_share"] = {f: formats.count(f) / len(formats) for f in sorted(set(formats))}
   return m
