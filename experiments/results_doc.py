@@ -541,7 +541,7 @@ def _cp_speed(sp) -> str:
     f"{_f(med['allgather'])} s; ring / all-gather {_f(sp['ring_over_allgather'])}, skipping "
     f"speedup {_f(sp['skip_speedup'])}×."
     + (
-      f" The same row in the per-document layout: ring {_f(med['ring_document_layout'])} s "
+      f" The same row in per-document order: ring {_f(med['ring_document_layout'])} s "
       f"({_f(sp['document_layout_speedup'])}× the row zigzag's speed)."
       if "ring_document_layout" in med
       else ""

@@ -65,7 +65,7 @@ def cotrain_loss(
     eps_high=rl_cfg.eps_high,
     aggregation=rl_cfg.aggregation,
     max_tokens=batch["tokens"].shape[1],
-    ref_logp_NS=ref_logp,
+    ref_logp_BS=ref_logp,
     beta=rl_cfg.beta,
     kl_estimator=rl_cfg.kl_estimator,
   )

@@ -41,7 +41,7 @@ def inputs(seed, W=2, H=4, K=2, D=8):
 
 
 def kernel_ring(cp):
-  """Natural order in and out: the zigzag layout, the kernel ring under shard_map, undone."""
+  """Natural order in and out: the zigzag order, the kernel ring under shard_map, undone."""
   mesh = cp_mesh(cp)
 
   def fn(q, k, v, q_br, k_br, v_br, seg, *, branch):

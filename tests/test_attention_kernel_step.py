@@ -88,19 +88,19 @@ def test_step_with_the_pallas_kernel_equals_the_xla_tiles(kind):
   gradients (relative to their norms) equal the XLA tiles' at cp = 1."""
   c, pcfg, dcfg, tr = _setup(kind)
   batch = _batch()
-  laid = sequence.lay_out(batch, 1)
+  laid = sequence.zigzag_order(batch, 1)
   # the kernel runs in every attention: the policy's layers (one scanned body), the reference
   # policy's and the draft's; the XLA step has none
   calls = lambda kernel: str(jax.make_jaxpr(_loss(c, pcfg, dcfg, tr, kernel=kernel))(tr, laid))  # noqa: E731
   assert calls(KERNEL).count("pallas_call") >= 3
   assert "pallas_call" not in calls(None)
-  want = _value_and_grad(c, pcfg, dcfg, tr, sequence.lay_out(batch, 1), kernel=None)
-  got = _value_and_grad(c, pcfg, dcfg, tr, sequence.lay_out(batch, 1), kernel=KERNEL)
+  want = _value_and_grad(c, pcfg, dcfg, tr, sequence.zigzag_order(batch, 1), kernel=None)
+  got = _value_and_grad(c, pcfg, dcfg, tr, sequence.zigzag_order(batch, 1), kernel=KERNEL)
   _assert_same(got, want, f"{kind} cp=1")
   mc = default_config.get_config("smoke,layout=cp2")
   mc.parallel.devices = 2
   mesh, rules = mesh_lib.make_mesh(mc.parallel), [tuple(r) for r in mc.parallel.rules]
-  laid = sequence.shard(sequence.lay_out(batch, 2), mesh, rules)
+  laid = sequence.shard(sequence.zigzag_order(batch, 2), mesh, rules)
   got = _value_and_grad(c, pcfg, dcfg, tr, laid, kernel=KERNEL, mesh=mesh)
   _assert_same(got, want, f"{kind} cp=2")
 
@@ -145,7 +145,7 @@ def test_the_config_selects_the_kernel_and_refuses_what_it_cannot_run():
   assert KERNEL.row_multiple() == 1
   assert KernelSettings(backend="triton").row_multiple() == 64
   assert sequence.row_multiple(KernelSettings(block_q=32, block_k=128, backend="mosaic")) == 128
-  laid = sequence.lay_out({"tokens": np.zeros((1, 72), np.int32)}, 1, multiple=64)
+  laid = sequence.zigzag_order({"tokens": np.zeros((1, 72), np.int32)}, 1, multiple=64)
   assert laid["tokens"].shape[1] == 128
 
 

@@ -166,7 +166,7 @@ def test_distillation_loss_on_shards_equals_the_dense_oracle(setup):
     return oracles.draft_loss(d, dcfg, tr["policy"], pcfg, taps.layers, logits, nat)
 
   (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr["draft"])
-  (l1, m1), (g1, gp1) = _draft_loss(dcfg, pcfg, tr, sequence.lay_out(batch, 1))
+  (l1, m1), (g1, gp1) = _draft_loss(dcfg, pcfg, tr, sequence.zigzag_order(batch, 1))
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   for k in m0:
     np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
@@ -182,8 +182,8 @@ def test_distillation_loss_under_cp_equals_single_device(setup, layout):
   batch = _batch()
   mesh, rules = _mesh(layout)
   cp = mesh.shape["cp"]
-  (l1, m1), (g1, _) = _draft_loss(dcfg, pcfg, tr, sequence.lay_out(batch, 1))
-  laid = sequence.shard(sequence.lay_out(batch, cp), mesh, rules)
+  (l1, m1), (g1, _) = _draft_loss(dcfg, pcfg, tr, sequence.zigzag_order(batch, 1))
+  laid = sequence.shard(sequence.zigzag_order(batch, cp), mesh, rules)
   (l2, m2), (g2, gp2) = _draft_loss(dcfg, pcfg, tr, laid, mesh)
   np.testing.assert_allclose(l2, l1, rtol=1e-5)
   for k in m1:
@@ -196,7 +196,7 @@ def test_cotrain_step_contract(setup):
   """One policy forward: the draft loss sends no gradient to theta and the RL loss none to phi;
   with lambda = 0 the policy's update is bit-identical to the RL-only step's."""
   c, pcfg, dcfg, tr = setup
-  laid = sequence.lay_out(_batch(), 1)
+  laid = sequence.zigzag_order(_batch(), 1)
 
   def loss(tr, lam, train_draft=True, part=None):
     spec = StepSpec.of(
@@ -525,8 +525,8 @@ def test_cotrain_step_on_the_last_pipeline_stage_equals_single_device():
     loss = lambda t: step_lib.cotrain_loss(t, b, spec)
     return jax.device_get(jax.jit(jax.value_and_grad(loss, has_aux=True))(tr))
 
-  (l1, m1), g1 = value_and_grad(sequence.lay_out(batch, 1))
-  laid = sequence.shard(sequence.lay_out(batch, 2), mesh, rules)
+  (l1, m1), g1 = value_and_grad(sequence.zigzag_order(batch, 1))
+  laid = sequence.shard(sequence.zigzag_order(batch, 2), mesh, rules)
   (l2, m2), g2 = value_and_grad(laid, mesh, spec)
   np.testing.assert_allclose(l2, l1, rtol=1e-5)
   for k in ("draft_loss", "ttt_acc_0", "ttt_acc_1", "ttt_acc_2"):
@@ -577,7 +577,7 @@ def test_bench_step_cotraining_adds_only_the_block_drafts_matmul_work(kind):
   c.draft.kind, c.draft.block.block_size = kind, 0
   pcfg = pol.PolicyConfig.from_config(c.model, 99)
   dcfg = drafts.draft_config(c.draft, pcfg, num_draft=2)
-  batch = sequence.lay_out(step_time.synthetic_batch(4, 16, pcfg.vocab_size), 1)
+  batch = sequence.zigzag_order(step_time.synthetic_batch(4, 16, pcfg.vocab_size), 1)
   batch = jax.tree.map(jnp.asarray, batch)
   fns, args = step_time._programs(c, pcfg, dcfg, batch, vocab_chunk=0, attn_tile=512)
   flops = {k: hlo.dot_flops(f.lower(*args[k]).compile().as_text()) for k, f in fns.items()}

@@ -1,4 +1,4 @@
-"""Context parallelism: zigzag layout, blockwise primitives, ring and all-gather branch attention
+"""Context parallelism: zigzag order, blockwise primitives, ring and all-gather branch attention
 against the dense oracle, in value and gradient, on 8 simulated devices."""
 
 import _tolerance as tol
@@ -206,14 +206,14 @@ def test_allgather_matches_oracle(cp, branch):
 
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 @pytest.mark.parametrize("branch", ["ttt", "block"])
-def test_document_layout_matches_oracle(branch, impl):
-  """Packed rows in the per-document layout (documents and padding runs of 8 = 2cp tokens at
+def test_document_order_matches_oracle(branch, impl):
+  """Packed rows in the per-document order (documents and padding runs of 8 = 2cp tokens at
   cp = 4); rows with different documents get different permutations."""
   segs = np.array(
     [[1] * 8 + [2] * 24 + [3] * 16 + [0] * 8, [1] * 16 + [2] * 8 + [3] * 8 + [4] * 24]
   )
   xs = inputs(40, segs)
-  got = value_and_grads(cp_impl(impl, 4, tile=4, layout="document"), xs, branch)
+  got = value_and_grads(cp_impl(impl, 4, tile=4, order="document"), xs, branch)
   assert_close(got, value_and_grads(dense, xs, branch), 2e-5)
 
 

@@ -98,7 +98,7 @@ def setup(request):
   dparams = drafts.init_params(dcfg, 1, params, pcfg)
   tx = optax.adam(1e-2)
   st = {"step": 0, "params": dparams, "opt_state": tx.init(dparams)}
-  laid = sequence.lay_out(batch, 1)
+  laid = sequence.zigzag_order(batch, 1)
   spec = StepSpec.of(pcfg, dcfg, tx=tx)
   step = jax.jit(lambda s: draft_lib.draft_train_step(s, params, laid, spec))
   for _ in range(40):

@@ -64,7 +64,7 @@ def test_clipped_loss_and_aggregations_by_hand():
     adv,
     mask,
     aggregation="token-mean",
-    ref_logp_NS=ref,
+    ref_logp_BS=ref,
     beta=0.1,
     kl_estimator="k1",
     **kw,

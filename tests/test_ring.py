@@ -52,14 +52,14 @@ def test_float32_state_is_needed_for_long_rows_in_bf16():
   assert err["bfloat16"] > 2 * err["float32"], err
 
 
-@pytest.mark.parametrize("layout", cp_work.LAYOUTS)
+@pytest.mark.parametrize("order", cp_work.ORDERS)
 @pytest.mark.parametrize("W", [0, 3])
-def test_work_counter_counts_exactly_the_visible_tile_pairs(layout, W):
+def test_work_counter_counts_exactly_the_visible_tile_pairs(order, W):
   seg = cp_work.packed_segments(512, seed=1, long_fraction=0.4, mean_short=20, pad=24, granule=8)
-  got = cp_work.tile_pairs_per_rank(seg, cp=4, layout=layout, W=W, tile=16)
-  want = cp_work.visible_pairs_host(seg, cp=4, layout=layout, W=W, tile=16)
+  got = cp_work.tile_pairs_per_rank(seg, cp=4, order=order, W=W, tile=16)
+  want = cp_work.visible_pairs_host(seg, cp=4, order=order, W=W, tile=16)
   np.testing.assert_array_equal(got, want)
-  everything = cp_work.tile_pairs_per_rank(seg, cp=4, layout=layout, W=W, tile=16, skip=False)
+  everything = cp_work.tile_pairs_per_rank(seg, cp=4, order=order, W=W, tile=16, skip=False)
   A, T = ring.tile_sizes(512 // 4, W, 16)
   assert np.all(everything == 4 * (128 // A) * (128 // T))  # cp blocks of (L/A) x (L/T) tiles
   assert np.all(got < everything)  # skipping removes work on every rank
@@ -67,8 +67,8 @@ def test_work_counter_counts_exactly_the_visible_tile_pairs(layout, W):
 
 def test_zigzag_balances_causal_work_that_contiguous_does_not():
   seg = np.ones(1024, np.int32)  # one causal document: the case zigzag is built for
-  zig = cp_work.tile_pairs_per_rank(seg, cp=8, layout="zigzag", tile=16)
-  cont = cp_work.tile_pairs_per_rank(seg, cp=8, layout="contiguous", tile=16)
+  zig = cp_work.tile_pairs_per_rank(seg, cp=8, order="zigzag", tile=16)
+  cont = cp_work.tile_pairs_per_rank(seg, cp=8, order="contiguous", tile=16)
   assert cp_work.balance(zig) <= 1.02, zig
   assert cp_work.balance(cont) >= 1.5, cont
   assert zig.sum() == cont.sum()  # the same total work, distributed differently
@@ -82,7 +82,7 @@ def test_document_zigzag_balances_packed_rows():
       4096, seed=seed, long_fraction=0.25, mean_short=128, pad=64, granule=16
     )
     work = {
-      lay: cp_work.tile_pairs_per_rank(seg, cp=8, layout=lay, tile=16) for lay in cp_work.LAYOUTS
+      lay: cp_work.tile_pairs_per_rank(seg, cp=8, order=lay, tile=16) for lay in cp_work.ORDERS
     }
     assert cp_work.balance(work["document"]) <= 1.02, work
     assert cp_work.balance(work["zigzag"]) >= 1.2, work

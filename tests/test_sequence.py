@@ -101,7 +101,7 @@ def test_step_at_cp1_equals_the_dense_oracle(setup, aggregation):
   assert batch["tokens"].shape[1] == 24  # the oracle's Dr.GRPO budget (its row length)
   (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr)
   step = _loss(c, pcfg, dcfg, ref, aggregation)
-  laid = sequence.lay_out(batch, 1)
+  laid = sequence.zigzag_order(batch, 1)
   (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(tr, laid)
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   _assert_metrics_close(m1, m0, err=aggregation)
@@ -130,14 +130,16 @@ def test_step_at_cp1_equals_the_dense_oracle_under_truncated_sampling(setup):
     return step_lib.cotrain_loss(tr, b, spec)
 
   (l0, m0), g0 = jax.jit(jax.value_and_grad(oracle, has_aux=True))(tr)
-  (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(tr, sequence.lay_out(batch, 1))
+  (l1, m1), g1 = jax.jit(jax.value_and_grad(step, has_aux=True))(
+    tr, sequence.zigzag_order(batch, 1)
+  )
   np.testing.assert_allclose(l1, l0, rtol=1e-5)
   _assert_metrics_close(m1, m0, err="sampling")
   tol.assert_grads_close(g1["policy"], g0["policy"], rtol=1e-5, err="policy ")
   # the settings took effect: the untruncated T = 1 entropy differs
   (_, m_plain), _ = jax.jit(
     jax.value_and_grad(_loss(c, pcfg, dcfg, None, "token-mean"), has_aux=True)
-  )(tr, sequence.lay_out(batch, 1))
+  )(tr, sequence.zigzag_order(batch, 1))
   assert abs(float(m_plain["entropy"]) - float(m1["entropy"])) > 0.1
 
 
@@ -192,7 +194,7 @@ def single_device(setup):
 
   def get(aggregation):
     if aggregation not in cache:
-      laid = sequence.lay_out(batch, 1)
+      laid = sequence.zigzag_order(batch, 1)
       cache[aggregation] = _step_and_grads(c, pcfg, dcfg, ref, aggregation, tr, laid)
     return cache[aggregation]
 
@@ -207,7 +209,7 @@ def test_whole_cotrain_step_under_cp_equals_single_device(
   mesh, rules = _mesh(layout)
   cp = mesh.shape["cp"]
   one = single_device(aggregation)
-  laid = sequence.shard(sequence.lay_out(batch, cp), mesh, rules)
+  laid = sequence.shard(sequence.zigzag_order(batch, cp), mesh, rules)
   assert laid["tokens"].sharding.spec[1] == "cp"  # the sequence axis is sharded over cp
   # the policy's weights placed as the layout places them (heads over tensor, ...)
   shardings = mesh_lib.tree_shardings(
@@ -234,7 +236,7 @@ def test_padding_contributes_exactly_nothing(setup):
   metrics or gradients; more padding changes them only by float32 reordering."""
   c, pcfg, dcfg, tr, ref, batch = setup
   mesh, _ = _mesh("cp2")
-  laid = sequence.lay_out(batch, 2)
+  laid = sequence.zigzag_order(batch, 2)
   pad = laid["segment_ids"] == 0
   rng = np.random.default_rng(1)
   noisy = dict(laid)
@@ -246,7 +248,7 @@ def test_padding_contributes_exactly_nothing(setup):
   f = jax.jit(jax.value_and_grad(_loss(c, pcfg, dcfg, ref, "token-mean", mesh=mesh), has_aux=True))
   a, b = jax.device_get(f(tr, laid)), jax.device_get(f(tr, noisy))
   jax.tree.map(np.testing.assert_array_equal, a, b)
-  more = sequence.lay_out(batch, 2, multiple=5)  # 40 tokens instead of 24
+  more = sequence.zigzag_order(batch, 2, multiple=5)  # 40 tokens instead of 24
   assert more["tokens"].shape[1] > laid["tokens"].shape[1]
   (l3, m3), g3 = jax.device_get(f(tr, more))
   (l1, m1), g1 = a
@@ -287,9 +289,9 @@ def test_a_batch_not_laid_out_is_refused_before_compiling(setup):
   c, pcfg, dcfg, tr, ref, batch = setup
   mesh, _ = _mesh("cp4")
   odd = {k: v[:, :21] if v.ndim == 2 else v for k, v in batch.items()}  # 21 % 8 != 0
-  with pytest.raises(ValueError, match=r"S=21 is not a multiple of 2\*cp=8.*lay_out"):
+  with pytest.raises(ValueError, match=r"S=21 is not a multiple of 2\*cp=8.*zigzag_order"):
     _loss(c, pcfg, dcfg, ref, "token-mean", mesh=mesh)(tr, odd)
-  laid = sequence.lay_out(odd, 4)
+  laid = sequence.zigzag_order(odd, 4)
   assert laid["tokens"].shape[1] == 24
   # the layout is a permutation of the padded row: undoing it gives the row back
   from specdraft.parallel import zigzag
@@ -301,7 +303,7 @@ def test_a_batch_not_laid_out_is_refused_before_compiling(setup):
 def test_remat_changes_the_memory_not_the_step(setup):
   """compute.remat rematerialises each policy layer: same loss and gradients, less temp memory."""
   c, pcfg, dcfg, tr, ref, _ = setup
-  b = sequence.lay_out(_batch(B=2, S=256), 1)
+  b = sequence.zigzag_order(_batch(B=2, S=256), 1)
 
   def grads(remat):
     spec = StepSpec.of(pcfg, dcfg, c.rl, lam=1.0, vocab_chunk=64, remat=remat)
@@ -330,8 +332,8 @@ def test_draft_distillation_under_cp_equals_single_device(setup):
       jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(tr["draft"], tr["policy"])
     )
 
-  (l1, m1), (g1, gp1) = run(sequence.lay_out(batch, 1))
-  (l4, m4), (g4, _) = run(sequence.shard(sequence.lay_out(batch, 4), mesh, rules), mesh)
+  (l1, m1), (g1, gp1) = run(sequence.zigzag_order(batch, 1))
+  (l4, m4), (g4, _) = run(sequence.shard(sequence.zigzag_order(batch, 4), mesh, rules), mesh)
   np.testing.assert_allclose(l4, l1, rtol=1e-5)
   _assert_metrics_close(m4, m1, err="distillation")
   tol.assert_grads_close(g4, g1, rtol=1e-5)
@@ -344,7 +346,9 @@ def test_long_chunks_are_padded_to_round_lengths():
   from specdraft.attention import ring
 
   long_row = {"tokens": np.zeros((1, 8328), np.int32)}
-  S = sequence.lay_out(long_row, 8)["tokens"].shape[1]
+  S = sequence.zigzag_order(long_row, 8)["tokens"].shape[1]
   assert S == 8704 and (S // 16) % sequence.CHUNK_MULTIPLE == 0
   assert min(ring.tile_sizes(S // 8, 0, 256)) >= 32
-  assert sequence.lay_out({"tokens": np.zeros((2, 130), np.int32)}, 1)["tokens"].shape[1] == 130
+  assert (
+    sequence.zigzag_order({"tokens": np.zeros((2, 130), np.int32)}, 1)["tokens"].shape[1] == 130
+  )

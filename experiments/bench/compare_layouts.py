@@ -168,7 +168,7 @@ def sft_state_shardings(s: Setup, lay: Layout):
 def laid_out_batch(s: Setup, lay: Layout, *, sft: bool = False) -> tuple[dict, dict]:
   """(host batch in the layout's zigzag order, its shardings)."""
   batch = s.batch if not sft else {k: s.batch[k] for k in SFT_KEYS}
-  batch = sequence.lay_out(batch, lay.cp)
+  batch = sequence.zigzag_order(batch, lay.cp)
   return batch, sequence.batch_shardings(batch, lay.mesh, lay.rules)
 
 

@@ -8,7 +8,7 @@ balance measured from the running schedule, and speed, ring beside all-gather.
    float32 score tensor, in its own field). Beside each figure, the FLOOR computed from the
    shapes (`FLOOR_FORMULA`) and the ratio to it.
 2. Work: the ring skips (query tile, key tile) pairs with nothing visible and counts the pairs it
-   computes; per-rank counts from that counter, zigzag vs contiguous layout, on a whole-row
+   computes; per-rank counts from that counter, zigzag vs contiguous order, on a whole-row
    causal document and on packed rows (many short documents and one long); max/mean per rank.
 3. Speed: forward + backward wall time at a size that runs here, ring (skipping), ring (every tile
    pair), all-gather, timed interleaved; medians and ratios.
@@ -117,8 +117,8 @@ def dense_estimate(*, S, B, H, W, **_) -> int:
 
 
 def measure_work(w) -> dict:
-  """Per-rank tile pairs from the ring's own counter, every layout, on a whole-row document and
-  on packed rows (documents padded to 2*cp tokens so the per-document layout applies)."""
+  """Per-rank tile pairs from the ring's own counter, every token order, on a whole-row document and
+  on packed rows (documents padded to 2*cp tokens so the per-document order applies)."""
   S, cp = w.tokens, w.cp
   rows = {"whole_row_document": [np.ones(S, np.int32)]}
   rows["packed"] = [
@@ -134,17 +134,17 @@ def measure_work(w) -> dict:
   ]
   out = {"tokens": S, "cp": cp, "tile": w.tile, "W": w.W, "rows": {}}
   for name, segs in rows.items():
-    out["rows"][name] = {layout: _layout_work(segs, cp, layout, w) for layout in cp_work.LAYOUTS}
+    out["rows"][name] = {order: _order_work(segs, cp, order, w) for order in cp_work.ORDERS}
   seg = rows["packed"][0]
   out["packed_documents"] = int(len(np.unique(seg[seg > 0])))
   return out
 
 
-def _layout_work(segs, cp: int, layout: str, w) -> dict:
+def _order_work(segs, cp: int, order: str, w) -> dict:
   counts = [
-    cp_work.tile_pairs_per_rank(seg, cp=cp, layout=layout, W=w.W, tile=w.tile) for seg in segs
+    cp_work.tile_pairs_per_rank(seg, cp=cp, order=order, W=w.W, tile=w.tile) for seg in segs
   ]
-  total = cp_work.tile_pairs_per_rank(segs[0], cp=cp, layout=layout, W=w.W, tile=w.tile, skip=False)
+  total = cp_work.tile_pairs_per_rank(segs[0], cp=cp, order=order, W=w.W, tile=w.tile, skip=False)
   x = {
     "pairs_per_rank": [c.tolist() for c in counts],
     "max_over_mean": [cp_work.balance(c) for c in counts],
@@ -155,7 +155,7 @@ def _layout_work(segs, cp: int, layout: str, w) -> dict:
     "computed_fraction": float(np.mean([c.sum() / total.sum() for c in counts])),
   }
   print(
-    f"work {len(segs)} row(s) {layout:>10}: max/mean {x['worst_max_over_mean']:.3f}, busiest rank "
+    f"work {len(segs)} row(s) {order:>10}: max/mean {x['worst_max_over_mean']:.3f}, busiest rank "
     f"{x['worst_max_pairs']} pairs, computed {x['computed_fraction']:.3f} of all tile pairs",
     flush=True,
   )
@@ -179,11 +179,11 @@ def measure_speed(sp) -> dict:
   )
   cots = [rnd(k, s) for k, s in zip(keys[len(inputs) :], cots)]
 
-  def laid_out(layout):  # the same row's segment ids and positions in `layout`
-    row = lambda x: jax.device_put(cp_work.layout_rows(x[None], cp, layout, seg_S), sh)
+  def in_order(order):  # the same row's segment ids and positions in `order`
+    row = lambda x: jax.device_put(cp_work.order_rows(x[None], cp, order, seg_S), sh)
     return [*xs, row(jnp.asarray(seg_S)), row(jnp.arange(S, dtype=jnp.int32)), *cots]
 
-  zig, doc = laid_out("zigzag"), laid_out("document")  # inputs are i.i.d. noise: any order
+  zig, doc = in_order("zigzag"), in_order("document")  # inputs are i.i.d. noise: any order
   variants = {
     "ring": (_fwd_bwd("ring", cp, sp.branch, sp.tile), zig),
     "ring_no_skip": (_fwd_bwd("ring", cp, sp.branch, sp.tile, skip=False), zig),
@@ -303,22 +303,22 @@ def summary(results) -> dict:
     out[case_name(case)] = s
   w = results["work"]["rows"]
   out["work"] = {
-    f"{name}_{layout}_max_over_mean": w[name][layout]["worst_max_over_mean"]
+    f"{name}_{order}_max_over_mean": w[name][order]["worst_max_over_mean"]
     for name in w
-    for layout in w[name]
+    for order in w[name]
   }
   out["work"].update(
     {
-      f"{name}_{layout}_computed_fraction": w[name][layout]["computed_fraction"]
+      f"{name}_{order}_computed_fraction": w[name][order]["computed_fraction"]
       for name in w
-      for layout in w[name]
+      for order in w[name]
     }
   )
   out["work"].update(
     {
-      f"{name}_{layout}_max_pairs": w[name][layout]["worst_max_pairs"]
+      f"{name}_{order}_max_pairs": w[name][order]["worst_max_pairs"]
       for name in w
-      for layout in w[name]
+      for order in w[name]
     }
   )
   keys = ("ring_over_allgather", "skip_speedup", "document_layout_speedup")

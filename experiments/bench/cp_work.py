@@ -2,7 +2,7 @@
 
 The ring skips every (query tile, key tile) pair whose mask has no visible entry and counts the
 pairs it computes (`ring_attention_shard(..., return_work=True)`); this module runs that forward
-on real packed rows under one of three layouts and returns each rank's count:
+on real packed rows under one of three orders and returns each rank's count:
 
 - "zigzag": the whole row cut into 2*cp chunks (rank r: chunks r, 2cp-1-r), built for one causal
   document per row;
@@ -25,7 +25,7 @@ from jax.sharding import AxisType, PartitionSpec
 from specdraft.attention import ring
 from specdraft.parallel import zigzag
 
-LAYOUTS = ("zigzag", "document", "contiguous")
+ORDERS = ("zigzag", "document", "contiguous")
 
 
 def packed_segments(
@@ -34,7 +34,7 @@ def packed_segments(
   """One packed row [S]: one long document (long_fraction of the row), many short ones (lengths
   drawn from a geometric distribution with mean `mean_short`), in random order, then `pad`
   padding tokens (segment 0). Every length is rounded up to a multiple of `granule` (a packer
-  that pads documents to 2*cp tokens for the per-document layout); the tail padding takes the
+  that pads documents to 2*cp tokens for the per-document order); the tail padding takes the
   rest, so `pad` and S must then be multiples of it too."""
   if S % granule or pad % granule:
     raise ValueError(f"S={S} and pad={pad} must be multiples of granule={granule}")
@@ -53,16 +53,16 @@ def packed_segments(
   return np.concatenate([seg, np.zeros(pad, seg.dtype)]).astype(np.int32)
 
 
-def layout_rows(x_BS, cp: int, layout: str, seg_S=None):
-  """x_BS [B, S] put in `layout` (the "document" layout reads the documents from `seg_S`, one
+def order_rows(x_BS, cp: int, order: str, seg_S=None):
+  """x_BS [B, S] put in `order` (the "document" order reads the documents from `seg_S`, one
   row shared by all B rows)."""
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout={layout!r} is not valid; expected one of {LAYOUTS}")
-  if layout == "zigzag":
+  if order not in ORDERS:
+    raise ValueError(f"order={order!r} is not valid; expected one of {ORDERS}")
+  if order == "zigzag":
     return zigzag.to_zigzag(x_BS, cp)
-  if layout == "document":
+  if order == "document":
     if seg_S is None:
-      raise ValueError("layout='document' needs the row's segment ids (seg_S)")
+      raise ValueError("order='document' needs the row's segment ids (seg_S)")
     perm = zigzag.document_permutation(zigzag.document_lengths(seg_S), cp)
     return x_BS[:, perm]
   return x_BS
@@ -99,25 +99,25 @@ def _program(cp: int, S: int, W: int, branch: str, tile: int, skip: bool):
 
 
 def tile_pairs_per_rank(
-  seg_S, *, cp: int, layout: str, W: int = 0, branch: str = "ttt", tile: int = 64, skip=True
+  seg_S, *, cp: int, order: str, W: int = 0, branch: str = "ttt", tile: int = 64, skip=True
 ) -> np.ndarray:
   """Runs the ring forward on one packed row laid out for `cp` ranks and returns the number of
   (query tile, key tile) pairs each rank computed."""
   S = len(seg_S)
   zigzag.check_length(S, cp)
-  seg = layout_rows(jnp.asarray(seg_S, jnp.int32)[None], cp, layout, seg_S)
-  pos = layout_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, layout, seg_S)
+  seg = order_rows(jnp.asarray(seg_S, jnp.int32)[None], cp, order, seg_S)
+  pos = order_rows(jnp.arange(S, dtype=jnp.int32)[None], cp, order, seg_S)
   H, K, D = 1, 1, 1
   z = lambda *shape: jnp.zeros((1, S, *shape), jnp.float32)
   args = (z(H, D), z(K, D), z(K, D), z(W, H, D), z(W, K, D), z(W, K, D), seg, pos)
   return np.asarray(_program(cp, S, W, branch, tile, skip)(*args))
 
 
-def visible_pairs_host(seg_S, *, cp: int, layout: str, W: int, tile: int) -> np.ndarray:
+def visible_pairs_host(seg_S, *, cp: int, order: str, W: int, tile: int) -> np.ndarray:
   """The same count computed on the host from the mask alone (the oracle for the counter)."""
   S = len(seg_S)
-  seg = np.asarray(layout_rows(np.asarray(seg_S)[None], cp, layout, seg_S))[0]
-  pos = np.asarray(layout_rows(np.arange(S)[None], cp, layout, seg_S))[0]
+  seg = np.asarray(order_rows(np.asarray(seg_S)[None], cp, order, seg_S))[0]
+  pos = np.asarray(order_rows(np.arange(S)[None], cp, order, seg_S))[0]
   L = S // cp
   A, T = ring.tile_sizes(L, W, tile)
   out = np.zeros(cp, np.int64)

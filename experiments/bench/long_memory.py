@@ -174,7 +174,7 @@ def measure_time(config) -> dict:
     rules = [("batch", None), ("length", "cp")]
     fns[cp] = jax.jit(functools.partial(step_lib.cotrain_step, spec=spec.replace(mesh=mesh)))
     state = {"step": jnp.zeros((), jnp.int32), "params": tr, "opt_state": tx.init(tr)}
-    args[cp] = (state, sequence.shard(sequence.lay_out(batch, cp), mesh, rules))
+    args[cp] = (state, sequence.shard(sequence.zigzag_order(batch, cp), mesh, rules))
     jax.block_until_ready(fns[cp](*args[cp]))  # compile + warm-up
   times = {cp: [] for cp in t.cps}
   for _ in range(t.repeats):

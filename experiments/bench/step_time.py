@@ -93,7 +93,7 @@ def _case(config, layers: int, ttt_steps: int, b, kind: str = "eagle3") -> dict:
   draft_cfg.ttt_steps = ttt_steps
   draft_cfg.block.block_size = 0  # the block that proposes K tokens
   dcfg = drafts.draft_config(draft_cfg, pcfg, num_draft=ttt_steps)
-  batch = sequence.lay_out(synthetic_batch(b.batch_size, b.seq_len, pcfg.vocab_size), 1)
+  batch = sequence.zigzag_order(synthetic_batch(b.batch_size, b.seq_len, pcfg.vocab_size), 1)
   batch = jax.tree.map(jnp.asarray, batch)
   fns, args = _programs(
     config, pcfg, dcfg, batch, vocab_chunk=config.compute.vocab_chunk, attn_tile=b.attn_tile

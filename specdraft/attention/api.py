@@ -106,15 +106,15 @@ def context_parallel(
   cp_axis="cp",
   tile=512,
   custom_grad=True,
-  layout="zigzag",
+  order="zigzag",
   kernel=None,
   **ring_options,
 ):
-  """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, lays the
-  rows out once, runs the per-shard program under shard_map over `cp_axis`, and undoes the
-  layout. The model path calls the per-shard functions directly instead.
+  """Natural-order global arrays in, natural-order out: pads S to a multiple of 2*cp, puts the
+  rows in `order` once, runs the per-shard program under shard_map over `cp_axis`, and undoes the
+  order. The model path calls the per-shard functions directly instead.
 
-  layout: "zigzag" (the whole row cut into 2*cp chunks) or "document" (the cut made per
+  order: "zigzag" (the whole row cut into 2*cp chunks) or "document" (the cut made per
   document, for packed rows; segment ids must then be a host array whose documents, padding
   runs included, are multiples of 2*cp tokens long). kernel: None (the XLA tiles) or a
   `kernels.KernelSettings`: every block through the fused Pallas kernel (the ring of
@@ -132,7 +132,7 @@ def context_parallel(
   B, S = segment_ids_BS.shape
   S_pad = zigzag.padded_length(S, cp)
   pos_BS = jnp.broadcast_to(jnp.arange(S_pad, dtype=jnp.int32), (B, S_pad))
-  perm_BS = _layout_permutation(layout, segment_ids_BS, S_pad, cp)
+  perm_BS = _order_permutation(order, segment_ids_BS, S_pad, cp)
   lay = lambda x: _take_rows(zigzag.pad(x, S_pad), perm_BS)
   args = [
     lay(x)
@@ -171,24 +171,24 @@ def context_parallel(
   return unlay(out), unlay(out_br)
 
 
-LAYOUTS = ("zigzag", "document")
+ORDERS = ("zigzag", "document")  # the token orders of context_parallel
 
 
-def _layout_permutation(layout, segment_ids_BS, S_pad: int, cp: int):
-  """[B, S_pad] host indices: row b of the layout is row b of the padded natural order at
+def _order_permutation(order, segment_ids_BS, S_pad: int, cp: int):
+  """[B, S_pad] host indices: row b in `order` is row b of the padded natural order at
   perm[b]."""
   from specdraft.parallel import zigzag
 
   B = segment_ids_BS.shape[0]
-  if layout == "zigzag":
+  if order == "zigzag":
     return np.broadcast_to(zigzag.permutation(S_pad, cp), (B, S_pad))
-  if layout != "document":
-    raise ValueError(f"layout={layout!r} is not valid; expected one of {LAYOUTS}")
+  if order != "document":
+    raise ValueError(f"order={order!r} is not valid; expected one of {ORDERS}")
   try:
     seg = np.asarray(segment_ids_BS)
-  except Exception as e:  # a tracer: the layout is made on the host, once per batch
+  except Exception as e:  # a tracer: the order is made on the host, once per batch
     raise ValueError(
-      "layout='document' reads each row's documents from its segment ids, which must be a host "
+      "order='document' reads each row's documents from its segment ids, which must be a host "
       "(numpy or committed) array, not a traced value"
     ) from e
   seg = np.pad(seg, [(0, 0), (0, S_pad - seg.shape[1])])

@@ -15,11 +15,11 @@ steps (dK/dV accumulators travel with their K/V and are trunk-sized). Queries ar
 rows tile by tile (never a `[B, L*R, H, D]` copy), every tile is upcast on its own, and the state
 is updated in place by dynamic slices inside the loops, so temporaries are O(tile).
 
-Work. The ring is layout-agnostic: every (query tile, key tile) pair whose mask has no visible
+Work. The ring is agnostic of the token order: every (query tile, key tile) pair whose mask has no visible
 entry (positions and segment ids decide) is skipped by `lax.cond`, in forward and backward, and
-the pairs computed are counted by a counter carried through the schedule. Under the zigzag layout
+the pairs computed are counted by a counter carried through the schedule. In zigzag order
 (rank r holds chunks r and 2cp-1-r) the skipped pairs leave each rank the same causal work; under a
-contiguous layout rank r computes r+1 blocks and the last rank waits for all of them.
+contiguous order rank r computes r+1 blocks and the last rank waits for all of them.
 
 Shape letters (local, per shard): B batch, L local anchors (two zigzag chunks of c), W branch
 width, R = 1 + W query rows per anchor, H query heads, K kv heads, Q = H // K query heads per kv

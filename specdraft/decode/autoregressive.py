@@ -1,6 +1,6 @@
 """Plain autoregressive generation with a KV cache (jittable, static shapes, per-row stop).
 
-Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens,
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), O max new tokens (the output),
 V vocabulary.
 """
 
@@ -57,15 +57,15 @@ class Spec(NamedTuple):
   """The static settings of one generation (hashable: part of the compiled program)."""
 
   pcfg: pol.PolicyConfig
-  max_new_tokens: int  # N
+  max_new_tokens: int  # O
   sampling: Sampling
 
 
 def init(params, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
   """The prefill: the loop's carry (one PRNG key per row, split from `key`)."""
   B, S = prompt_BS.shape
-  N = spec.max_new_tokens
-  cache = pol.init_cache(spec.pcfg, B, S + N)
+  O = spec.max_new_tokens
+  cache = pol.init_cache(spec.pcfg, B, S + O)
   logits_BSV, _, cache = pol.prefill(params, spec.pcfg, cache, prompt_BS, prompt_lengths_B)
   last_BV = jnp.take_along_axis(logits_BSV, (prompt_lengths_B - 1)[:, None, None], axis=1)[:, 0]
   return {
@@ -74,23 +74,23 @@ def init(params, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
     "last": last_BV,
     "key": jax.random.split(key, B),
     "done": jnp.zeros((B,), bool),
-    "tokens": jnp.full((B, N), PAD, jnp.int32),
-    "logprobs": jnp.zeros((B, N), jnp.float32),
+    "tokens": jnp.full((B, O), PAD, jnp.int32),
+    "logprobs": jnp.zeros((B, O), jnp.float32),
     "stats": {
       "policy_passes": jnp.int32(1),
       "row_passes": jnp.int32(B),
-      "active_trace": jnp.zeros((N,), jnp.int32),
+      "active_trace": jnp.zeros((O,), jnp.int32),
     },
   }
 
 
 def run(params, carry, stop_below, *, spec: Spec) -> dict:
-  """Steps until every row is done, N tokens are out, or no more than `stop_below` rows still
+  """Steps until every row is done, O tokens are out, or no more than `stop_below` rows still
   generate (the engine then compacts them into a smaller batch)."""
-  cfg, N, sm = spec.pcfg, spec.max_new_tokens, spec.sampling
+  cfg, O, sm = spec.pcfg, spec.max_new_tokens, spec.sampling
 
   def cond(c):  # stop_below >= 0: some row is active
-    return (c["step"] < N) & (num_active(c) > stop_below)
+    return (c["step"] < O) & (num_active(c) > stop_below)
 
   def body(c):
     step, done_B = c["step"], c["done"]
@@ -108,7 +108,7 @@ def run(params, carry, stop_below, *, spec: Spec) -> dict:
       "cache": cache,
       "last": logits_B1V[:, 0],
       "key": keys_B,
-      "done": done_B | pol.is_stop(cfg, token_B) | (step + 1 >= N),  # N tokens out: done too
+      "done": done_B | pol.is_stop(cfg, token_B) | (step + 1 >= O),  # O tokens out: done too
       "tokens": c["tokens"].at[:, step].set(jnp.where(done_B, PAD, token_B)),
       "logprobs": c["logprobs"].at[:, step].set(jnp.where(done_B, 0.0, logprob_B)),
       "stats": st,
@@ -119,16 +119,16 @@ def run(params, carry, stop_below, *, spec: Spec) -> dict:
 
 def finish(carry, spec: Spec) -> Generation:
   """The batch's Generation from the loop's carry."""
-  tokens_BN = carry["tokens"]
+  tokens_BO = carry["tokens"]
   return Generation(
-    tokens_BN, carry["logprobs"], output_lengths(tokens_BN, spec.pcfg), carry["stats"]
+    tokens_BO, carry["logprobs"], output_lengths(tokens_BO, spec.pcfg), carry["stats"]
   )
 
 
-def output_lengths(tokens_BN, cfg=None):
+def output_lengths(tokens_BO, cfg=None):
   """Generated length per row: up to and including the first stop token (`cfg`'s EOS and stop
-  ids; the character tokenizer's EOS without a config), else N."""
-  N = tokens_BN.shape[1]
-  is_eos_BN = tokens_BN == EOS if cfg is None else pol.is_stop(cfg, tokens_BN)
-  first_B = jnp.argmax(is_eos_BN, axis=1)
-  return jnp.where(is_eos_BN.any(1), first_B + 1, N).astype(jnp.int32)
+  ids; the character tokenizer's EOS without a config), else O."""
+  O = tokens_BO.shape[1]
+  is_eos_BO = tokens_BO == EOS if cfg is None else pol.is_stop(cfg, tokens_BO)
+  first_B = jnp.argmax(is_eos_BO, axis=1)
+  return jnp.where(is_eos_BO.any(1), first_B + 1, O).astype(jnp.int32)

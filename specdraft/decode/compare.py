@@ -278,9 +278,9 @@ def engine_arms(
 
 def greedy_agreement(run_ar, run_sd, key) -> dict:
   """`greedy_equal`: temperature-0 SD tokens == AR tokens on every row, exactly."""
-  ar_BN = multihost.to_host(run_ar(key, 0.0).tokens)
-  sd_BN = multihost.to_host(run_sd(key, 0.0).tokens)
-  rows_differ = ~np.all(ar_BN == sd_BN, axis=1)
+  ar_BO = multihost.to_host(run_ar(key, 0.0).tokens)
+  sd_BO = multihost.to_host(run_sd(key, 0.0).tokens)
+  rows_differ = ~np.all(ar_BO == sd_BO, axis=1)
   return {
     "greedy_equal": bool(not rows_differ.any()),
     "greedy_rows_differing": int(rows_differ.sum()),

@@ -28,8 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from specdraft.decode import autoregressive, speculative
 from specdraft.decode.cost import Acceptance, CostModel, StagePrices
@@ -113,11 +112,11 @@ def generate(
   gathering the active ones, timed apart in a program of its own so that a stage of one or two
   rounds is not charged for it). Ignored with `every_stage`."""
   B = int(prompt_BS.shape[0])
-  N = max_new_tokens
+  O = max_new_tokens
   sm = Sampling(temperature, top_k, top_p)
   staged, capacity = False, None
   if num_draft == 0:
-    spec = autoregressive.Spec(pcfg, N, sm)
+    spec = autoregressive.Spec(pcfg, O, sm)
     choice_at = lambda b: None
   else:
     if adaptive and cost is None:
@@ -125,9 +124,9 @@ def generate(
     if window < 1:
       raise ValueError(f"window={window}: the draft's catch-up window must be >= 1 entries")
     staged = adaptive and per_stage
-    spec = speculative.Spec(pcfg, dcfg, N, num_draft, adaptive and not staged, sm, window)
+    spec = speculative.Spec(pcfg, dcfg, O, num_draft, adaptive and not staged, sm, window)
     prior = prior if prior is not None else Acceptance.prior(num_draft)
-    capacity = int(prompt_BS.shape[1]) + N + num_draft + 2
+    capacity = int(prompt_BS.shape[1]) + O + num_draft + 2
 
     def choice_at(b):
       rs = cost.round_seconds_all(b, num_draft, capacity) if spec.adaptive else None
@@ -366,7 +365,7 @@ def _gather(carry, idx, rows: Rows | None = None):
       return leaf
     x = jnp.take(leaf, idx, axis=ax)
     if rows is not None:
-      spec = P(*([None] * ax + [rows.spec]))
+      spec = PartitionSpec(*([None] * ax + [rows.spec]))
       x = jax.lax.with_sharding_constraint(x, NamedSharding(rows.mesh, spec))
     return x
 

@@ -1,6 +1,6 @@
 """Token sampling shared by autoregressive and speculative decoding.
 
-Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens,
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), O max new tokens (the output),
 V vocabulary.
 """
 
@@ -110,7 +110,7 @@ def logprob_at(logits_BV, tokens_B, temperature: float, top_k: int = 0, top_p: f
 class Generation(NamedTuple):
   """Output of `generate` (autoregressive or speculative; same interface).
 
-  tokens [B,N]: generated tokens, PAD after the end; logprobs [B,N]: the behaviour log-prob of
+  tokens [B,O]: generated tokens, PAD after the end; logprobs [B,O]: the behaviour log-prob of
   each token under the distribution it was sampled from (temperature, top-k, top-p:
   `logprob_at`; 0 after the end); lengths [B]: tokens generated including EOS;
   stats: decoding statistics (policy_passes, and for SD the acceptance counters).
@@ -125,16 +125,16 @@ class Generation(NamedTuple):
 def join_prompt_completion(prompt_BS, prompt_lengths_B, gen: Generation):
   """Rows of [prompt ; completion ; PAD] as a training batch (one document per row).
 
-  Returns a dict of [B, S+N] arrays: tokens, positions, segment_ids (1 on real tokens) and
+  Returns a dict of [B, S+O] arrays: tokens, positions, segment_ids (1 on real tokens) and
   loss_mask (1 on completion tokens), plus `logprobs` (behaviour log-probs aligned with tokens).
   """
   B, S = prompt_BS.shape
-  N = gen.tokens.shape[1]
-  i = jnp.arange(S + N)[None]
+  O = gen.tokens.shape[1]
+  i = jnp.arange(S + O)[None]
   plen, glen = prompt_lengths_B[:, None], gen.lengths[:, None]
   in_prompt = i < plen
   in_gen = (i >= plen) & (i < plen + glen)
-  gi = jnp.clip(i - plen, 0, N - 1)
+  gi = jnp.clip(i - plen, 0, O - 1)
   tokens = jnp.where(
     in_prompt,
     jnp.take_along_axis(prompt_BS, jnp.minimum(i, S - 1), 1),

@@ -23,9 +23,10 @@ Every row carries its own PRNG key, split once per round whatever the batch: a r
 on its key and its own history only, so gathering the active rows into a smaller batch
 (`decode.engine`, compaction) leaves every row's output unchanged.
 
-Shape letters: B batch, S prompt width (BOS + prompt, right-padded), N max new tokens, G draft
-tokens this round, M = G_max (the most any round drafts; buffers are sized by it), G1 = G + 1
-verified entries, X = N + M + 1 output buffer, V vocabulary, E width.
+Shape letters: B batch, S prompt width (BOS + prompt, right-padded), O max new tokens (the
+output; N is the taps' letter, as in model/), G draft tokens this round, M = G_max (the most any
+round drafts; buffers are sized by it), G1 = G + 1 verified entries, X = O + M + 1 output
+buffer, V vocabulary, E width, N taps.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Spec(NamedTuple):
 
   pcfg: pol.PolicyConfig
   dcfg: drafts.DraftConfig
-  max_new_tokens: int  # N
+  max_new_tokens: int  # O
   num_draft: int  # G, or G_max when adaptive
   adaptive: bool
   sampling: Sampling
@@ -187,7 +188,7 @@ def choose_num_draft(stats: dict, choice: Choice, xp=jnp):
 def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> dict:
   """The prefill: the loop's carry for a batch (one PRNG key per row, split from `key`)."""
   models = _Models(params, dparams, spec.pcfg, spec.dcfg)
-  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
+  O, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
   keys_B = jax.random.split(key, prompt_BS.shape[0])
   if drafts.is_block(spec.dcfg):
     if M > spec.dcfg.num_proposals:
@@ -195,9 +196,9 @@ def init(params, dparams, prompt_BS, prompt_lengths_B, key, *, spec: Spec) -> di
         f"num_draft={M}: a {spec.dcfg.kind} draft with block_size {spec.dcfg.block_size} proposes "
         f"at most {spec.dcfg.num_proposals} tokens a round"
       )
-    return _block_prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm)
+    return _block_prefill(models, prompt_BS, prompt_lengths_B, keys_B, O=O, M=M, sm=sm)
   extra = spec.window if spec.adaptive else 0
-  carry = _prefill(models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm, extra=extra)
+  carry = _prefill(models, prompt_BS, prompt_lengths_B, keys_B, O=O, M=M, sm=sm, extra=extra)
   if spec.adaptive:
     carry = {**carry, **_pending(spec, prompt_BS.shape[0], carry["h"].dtype)}
   return carry
@@ -265,21 +266,21 @@ def one_round(params, dparams, carry, *, G: int, spec: Spec, sampler=rejection_s
   """One round at G (0 <= G <= G_max, static) on the loop's carry (`run` switches between these;
   tests drive any schedule of G with it)."""
   models = _Models(params, dparams, spec.pcfg, spec.dcfg)
-  N, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
+  O, M, sm = spec.max_new_tokens, spec.num_draft, spec.sampling
   if drafts.is_block(spec.dcfg):  # a block draft's G = 0 round runs no draft pass anyway
-    return _block_round(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler)
+    return _block_round(models, carry, O=O, G=G, M=M, sm=sm, sampler=sampler)
   take_in = not (G == 0 and spec.stage_plain and not spec.adaptive)
-  return _round(models, carry, N=N, G=G, M=M, sm=sm, sampler=sampler, take_in=take_in)
+  return _round(models, carry, O=O, G=G, M=M, sm=sm, sampler=sampler, take_in=take_in)
 
 
 def finish(carry, spec: Spec) -> Generation:
   """The batch's Generation from the loop's carry."""
-  N = spec.max_new_tokens
+  O = spec.max_new_tokens
   lengths_B = carry["out_len"]
-  valid_BN = jnp.arange(N)[None] < lengths_B[:, None]
-  tokens_BN = jnp.where(valid_BN, carry["out"][:, :N], PAD)
-  logprobs_BN = jnp.where(valid_BN, carry["out_lp"][:, :N], 0.0)
-  return Generation(tokens_BN, logprobs_BN, lengths_B, carry["stats"])
+  valid_BO = jnp.arange(O)[None] < lengths_B[:, None]
+  tokens_BO = jnp.where(valid_BO, carry["out"][:, :O], PAD)
+  logprobs_BO = jnp.where(valid_BO, carry["out_lp"][:, :O], 0.0)
+  return Generation(tokens_BO, logprobs_BO, lengths_B, carry["stats"])
 
 
 def _sample_rows(sampler, keys_B, draft_BG, q_probs_BGV, p_probs_BG1V):
@@ -317,11 +318,11 @@ class _Models:
     return eagle3.fuse(self.dparams, tapped_layers, self.dcfg)
 
 
-def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling):
+def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, O, M, sm: Sampling):
   """The policy over the prompt and its first token c: (the prompt's taps, the cache capacity,
   the loop carry's policy-side entries). Both drafting paths start here."""
   B, S = prompt_BS.shape
-  capacity = S + N + M + 2
+  capacity = S + O + M + 2
   pcache = pol.init_cache(models.pcfg, B, capacity)
   logits_BSV, taps, pcache = pol.prefill(
     models.params, models.pcfg, pcache, prompt_BS, prompt_lengths_B
@@ -334,22 +335,22 @@ def _policy_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, 
     "key": keys_B,
     "pcache": pcache,
     "c": c_B,
-    "out": jnp.full((B, N + M + 1), PAD, jnp.int32).at[:, 0].set(c_B),
-    "out_lp": jnp.zeros((B, N + M + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
+    "out": jnp.full((B, O + M + 1), PAD, jnp.int32).at[:, 0].set(c_B),
+    "out_lp": jnp.zeros((B, O + M + 1), jnp.float32).at[:, 0].set(take(logp_BV, c_B)),
     "out_len": out_len_B,
-    "done": pol.is_stop(models.pcfg, c_B) | (out_len_B >= N),
+    "done": pol.is_stop(models.pcfg, c_B) | (out_len_B >= O),
   }
   return taps, capacity, carry
 
 
 def _prefill(
-  models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling, extra: int = 0
+  models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, O, M, sm: Sampling, extra: int = 0
 ) -> dict:
   """Policy over the prompt and its first token; the draft over the prompt, shifted by one
   (entry t pairs the feature of token t with token t+1); the loop's initial carry. The draft's
   cache holds `extra` entries more than the policy's (room for a catch-up window)."""
   taps, capacity, carry = _policy_prefill(
-    models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm
+    models, prompt_BS, prompt_lengths_B, keys_B, O=O, M=M, sm=sm
   )
   B, S = prompt_BS.shape
   rows = jnp.arange(B)
@@ -365,11 +366,11 @@ def _prefill(
     "dcache": dcache,
     "q_logits": d_logits_BSV[rows, last],
     "h": d_hidden_BSE[rows, last],
-    "stats": initial_stats(B, M, N, draft_passes=1),
+    "stats": initial_stats(B, M, O, draft_passes=1),
   }
 
 
-def initial_stats(B: int, M: int, N: int, *, draft_passes: int) -> dict:
+def initial_stats(B: int, M: int, O: int, *, draft_passes: int) -> dict:
   """The counters after the prefill (one policy pass over B rows)."""
   return {
     "policy_passes": jnp.int32(1),
@@ -381,9 +382,9 @@ def initial_stats(B: int, M: int, N: int, *, draft_passes: int) -> dict:
     "accept_counts": jnp.zeros((M,), jnp.int32),
     "reach_counts": jnp.zeros((M,), jnp.int32),
     "num_draft_counts": jnp.zeros((M + 1,), jnp.int32),
-    # a round emits >= 1 token on every row still generating, so there are < N rounds
-    "num_draft_trace": jnp.full((N,), -1, jnp.int32),
-    "active_trace": jnp.zeros((N,), jnp.int32),
+    # a round emits >= 1 token on every row still generating, so there are < O rounds
+    "num_draft_trace": jnp.full((O,), -1, jnp.int32),
+    "active_trace": jnp.zeros((O,), jnp.int32),
   }
 
 
@@ -411,15 +412,15 @@ def _draft_tokens(
   return jnp.stack(tokens, 1), jnp.stack(probs, 1), dcache
 
 
-def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G, pcfg):
-  """Writes tokens[0..a] after each row's output, cut at a stop token (`pol.is_stop`) and at N;
+def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, O, G, pcfg):
+  """Writes tokens[0..a] after each row's output, cut at a stop token (`pol.is_stop`) and at O;
   finished rows emit nothing. Returns (out, out_lp, out_len, done)."""
   rows = jnp.arange(tokens_BG1.shape[0])
   idx = jnp.arange(G + 1)[None]
   out_len_B = carry["out_len"]
   is_eos = pol.is_stop(pcfg, tokens_BG1) & (idx <= a_B[:, None])
   first_eos_B = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), G + 1)
-  count_B = jnp.minimum(jnp.minimum(a_B + 1, first_eos_B + 1), N - out_len_B)
+  count_B = jnp.minimum(jnp.minimum(a_B + 1, first_eos_B + 1), O - out_len_B)
   count_B = jnp.where(active_B, count_B, 0)
   write = lambda buf, vals: jax.vmap(lambda b, v, s: jax.lax.dynamic_update_slice(b, v, (s,)))(
     buf, vals, out_len_B
@@ -429,7 +430,7 @@ def _emit(carry, tokens_BG1, logprobs_BG1, a_B, active_B, *, N, G, pcfg):
   out = write(carry["out"], jnp.where(keep, tokens_BG1, current))
   out_lp = write(carry["out_lp"], jnp.where(keep, logprobs_BG1, 0.0))
   out_len_B = out_len_B + count_B
-  done_B = carry["done"] | (first_eos_B <= a_B) | (out_len_B >= N)
+  done_B = carry["done"] | (first_eos_B <= a_B) | (out_len_B >= O)
   return out, out_lp, out_len_B, done_B
 
 
@@ -450,7 +451,7 @@ def _count(stats: dict, active_B, a_B, *, G, M, draft_passes: int) -> dict:
   return st
 
 
-def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, N, G, sm: Sampling, sampler):
+def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, O, G, sm: Sampling, sampler):
   """Verify [c, d_1..d_G] in one policy pass, rejection-sample against the probabilities the
   draft sampled from, emit. Returns (tokens_BG1, accepted a_B, the verification pass's taps, the
   policy cache (lengths not yet rolled back), (out, out_lp, out_len, done))."""
@@ -460,17 +461,17 @@ def _verify(models: _Models, carry, keys_B, draft_BG, q_probs_BGV, *, N, G, sm: 
   q_probs_BGV = None if sm.temperature == 0 else q_probs_BGV
   tokens_BG1, a_B = _sample_rows(sampler, keys_B, draft_BG, q_probs_BGV, p_probs_BG1V)
   logprobs_BG1 = take(logp_BG1V, tokens_BG1)
-  emitted = _emit(carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], N=N, G=G, pcfg=models.pcfg)
+  emitted = _emit(carry, tokens_BG1, logprobs_BG1, a_B, ~carry["done"], O=O, G=G, pcfg=models.pcfg)
   return tokens_BG1, a_B, vtaps, pcache, emitted
 
 
-def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: bool = True):
+def _round(models: _Models, carry, *, O, G, M, sm: Sampling, sampler, take_in: bool = True):
   """Draft G tokens, verify them in one policy pass, emit, roll back, let the draft catch up.
   G = 0: a plain policy step; under adaptive G (the carry holds `pend_*`) the draft does not run
   (`_plain_step`), otherwise it takes in the emitted token, unless `take_in` is False (a last
   G = 0 stage, `Spec.stage_plain`: the draft never proposes again)."""
   if G == 0 and "pend_len" in carry:
-    return _plain_step(models, carry, N=N, M=M, sm=sm, sampler=sampler)
+    return _plain_step(models, carry, O=O, M=M, sm=sm, sampler=sampler)
   if "pend_len" in carry:
     carry = _take_in_pending(models, carry)
   skipped_B = carry.get("skipped")
@@ -484,7 +485,7 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: b
   )
 
   tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
-    models, carry, k_rej, draft_BG, q_probs_BGV, N=N, G=G, sm=sm, sampler=sampler
+    models, carry, k_rej, draft_BG, q_probs_BGV, O=O, G=G, sm=sm, sampler=sampler
   )
   out, out_lp, out_len_B, done_B = emitted
 
@@ -516,7 +517,7 @@ def _round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler, take_in: b
   }
 
 
-def _plain_step(models: _Models, carry, *, N, M, sm: Sampling, sampler):
+def _plain_step(models: _Models, carry, *, O, M, sm: Sampling, sampler):
   """A G = 0 round under adaptive G: one policy pass over the pending token c, no draft pass.
   The policy's taps at c and the token it emits join the draft's pending entries (the oldest
   one dropped, and skipped, once W are pending)."""
@@ -524,7 +525,7 @@ def _plain_step(models: _Models, carry, *, N, M, sm: Sampling, sampler):
   B = carry["c"].shape[0]
   no_draft = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, models.pcfg.vocab_size))
   tokens_B1, a_B, vtaps, pcache, emitted = _verify(
-    models, carry, k_rej, *no_draft, N=N, G=0, sm=sm, sampler=sampler
+    models, carry, k_rej, *no_draft, O=O, G=0, sm=sm, sampler=sampler
   )
   out, out_lp, out_len_B, done_B = emitted
   active_B = ~carry["done"]
@@ -592,18 +593,18 @@ def _take_in_pending(models: _Models, carry):
 # ----------------------------------------------------------------------------- block drafts
 
 
-def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, N, M, sm: Sampling):
+def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, O, M, sm: Sampling):
   """Policy over the prompt and its first token c; the prompt's taps become the draft's context
   (positions 0 .. P-1, c's block anchored at P). The loop's initial carry."""
   taps, capacity, carry = _policy_prefill(
-    models, prompt_BS, prompt_lengths_B, keys_B, N=N, M=M, sm=sm
+    models, prompt_BS, prompt_lengths_B, keys_B, O=O, M=M, sm=sm
   )
   B = prompt_BS.shape[0]
   dcache = dflash.init_cache(models.dcfg, B, capacity)
   dcache = dflash.write_context(
     models.dparams, models.dcfg, dcache, taps.layers, jnp.zeros((B,), jnp.int32), prompt_lengths_B
   )
-  return {**carry, "dcache": dcache, "stats": initial_stats(B, M, N, draft_passes=0)}
+  return {**carry, "dcache": dcache, "stats": initial_stats(B, M, O, draft_passes=0)}
 
 
 def _block_tokens(models: _Models, keys_B, h_BWE, c_B, *, G, sm: Sampling):
@@ -630,7 +631,7 @@ def _block_tokens(models: _Models, keys_B, h_BWE, c_B, *, G, sm: Sampling):
   return jnp.stack(tokens, 1), jnp.stack(probs, 1)
 
 
-def _block_round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
+def _block_round(models: _Models, carry, *, O, G, M, sm: Sampling, sampler):
   """Propose a block, verify it in one policy pass, emit, roll back; the policy's taps at the
   verified positions become the draft's context (G = 0: a plain policy step, no block pass)."""
   keys_B, k_draft, k_rej = split_rows(carry["key"], 3)
@@ -648,7 +649,7 @@ def _block_round(models: _Models, carry, *, N, G, M, sm: Sampling, sampler):
     draft_BG, q_probs_BGV = jnp.zeros((c_B.shape[0], 0), jnp.int32), jnp.zeros((c_B.shape[0], 0, V))
 
   tokens_BG1, a_B, vtaps, pcache, emitted = _verify(
-    models, carry, k_rej, draft_BG, q_probs_BGV, N=N, G=G, sm=sm, sampler=sampler
+    models, carry, k_rej, draft_BG, q_probs_BGV, O=O, G=G, sm=sm, sampler=sampler
   )
   out, out_lp, out_len_B, done_B = emitted
 

@@ -7,7 +7,7 @@ stage. Only 'pp' (and, for training under a 'cp' axis, 'cp') is manual inside th
 data/fsdp/tensor sharding of the batch and the weights is left to the compiler.
 
 Training (`loss`) runs on sequence shards: with a 'cp' axis every per-token array is sharded on
-its sequence axis in the zigzag layout, every stage's layers attend through the trunk ring and
+its sequence axis in zigzag order, every stage's layers attend through the trunk ring and
 the last stage runs the objective on its shards from the final hidden state and the taps the
 TapChannel delivered (the same objective bodies as the unpipelined step, `train/sequence.py`).
 
@@ -238,7 +238,7 @@ def loss(
   state) when `ref_theta` is given.
   `ops` (a `train.sequence.ShardOps`) names the context-parallel axis and degree: with
   ops.cp > 1 the shard_map is manual over 'pp' and the cp axis, every per-token array of
-  `batch` (laid out once by `sequence.lay_out`) is sharded on its sequence axis, and every
+  `batch` (laid out once by `sequence.zigzag_order`) is sharded on its sequence axis, and every
   stage attends through `ops.trunk()` (the ring); at cp = 1 the same tiled attention runs
   without collectives. `extra` (e.g. the draft's parameters) is visible on every stage; only the
   last stage's objective counts: at cp = 1 only the last stage evaluates it (`lax.cond`); under

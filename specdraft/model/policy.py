@@ -576,18 +576,18 @@ def decode(params: Params, cfg: PolicyConfig, cache: KVCache, tokens_BT):
   return logits, jax.lax.stop_gradient(Taps(taps, h)), KVCache(k, v, cache.lengths + T)
 
 
-def prefill(params: Params, cfg: PolicyConfig, cache: KVCache, prompt_BP, prompt_lengths_B):
+def prefill(params: Params, cfg: PolicyConfig, cache: KVCache, prompt_BS, prompt_lengths_B):
   """Writes right-padded prompts into an empty cache.
 
-  The prompt attends to itself with the tiled attention of the training path (no [B, P, C] mask
-  or score tensor, however long the prompt); its keys and values are written at 0..P-1.
-  Returns (logits_BPV, Taps, cache) with `cache.lengths = prompt_lengths`; the next-token
+  The prompt attends to itself with the tiled attention of the training path (no [B, S, C] mask
+  or score tensor, however long the prompt); its keys and values are written at 0..S-1.
+  Returns (logits_BSV, Taps, cache) with `cache.lengths = prompt_lengths`; the next-token
   distribution of row b is `logits[b, prompt_lengths[b] - 1]`.
   """
-  B, P = prompt_BP.shape
-  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  B, S = prompt_BS.shape
+  positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   valid = (positions < prompt_lengths_B[:, None]).astype(jnp.int32)
-  x = embed(params, prompt_BP, cfg)
+  x = embed(params, prompt_BS, cfg)
   zeros = jnp.zeros_like(cache.lengths)
   x, taps, (k, v) = run_layers(
     params["layers"],

@@ -71,7 +71,7 @@ def document_permutation(lengths, cp: int) -> np.ndarray:
     raise ValueError(
       f"document lengths {bad[:5]} are not positive multiples of 2*cp={2 * cp}: pack documents "
       f"to a granule of {2 * cp} tokens (padding inside each document) for the per-document "
-      "zigzag layout"
+      "zigzag order"
     )
   starts = np.r_[0, np.cumsum(lengths)[:-1]]
   chunk = lambda j: np.concatenate(
@@ -90,7 +90,7 @@ def from_zigzag(x, cp: int, axis: int = 1):
 
 
 def shift_local(x, n: int, *, axis_name: str, cp: int, fill=0):
-  """Per-shard global shift `out[t] = x[t + n]` of data in zigzag layout (axis 1).
+  """Per-shard global shift `out[t] = x[t + n]` of data in zigzag order (axis 1).
 
   Runs inside shard_map over `axis_name`; the rank's local rows are [chunk r ; chunk 2cp-1-r].
   The head of chunk r+1 comes from rank r+1 (or from this rank's own second chunk when

@@ -107,7 +107,7 @@ def _rename_packed(e):
 
 
 def prompt_batch(examples: list[Example], tok: Tokenizer, prompt_len: int):
-  """Right-padded prompts [B,P] (`tok.encode_prompt`: BOS + prompt, or the chat template's
+  """Right-padded prompts [B, S] (`tok.encode_prompt`: BOS + prompt, or the chat template's
   rendering) and their lengths [B]."""
   rows = [tok.encode_prompt(e.prompt) for e in examples]
   if max(map(len, rows)) > prompt_len:
@@ -127,7 +127,7 @@ def prompt_dataset(
   seed: int,
   shard: tuple[int, int] = (0, 1),
 ) -> grain.IterDataset:
-  """Endless shuffled prompt batches: prompts [B,P], prompt_lengths [B], prompt/answer texts
+  """Endless shuffled prompt batches: prompts [B, S], prompt_lengths [B], prompt/answer texts
   (of data shard `shard` = (j, n), as in `sft_dataset`)."""
 
   def enc(r):

@@ -15,7 +15,7 @@ from specdraft.train.spec import StepSpec
 
 def draft_loss(dparams, params, batch, spec: StepSpec):
   """The draft's loss (EAGLE-3's TTT loss or a block draft's) on a batch laid out by
-  `sequence.lay_out`, the policy fixed (under stop_gradient), run by `sequence.run` under `spec`
+  `sequence.zigzag_order`, the policy fixed (under stop_gradient), run by `sequence.run` under `spec`
   (on sequence shards over the mesh's 'cp' axis, or on the pipeline's last stage)."""
   theta = jax.lax.stop_gradient(params)
   return sequence.run(sequence.draft_terms, spec, (theta, dparams, None), batch)
@@ -65,6 +65,6 @@ def draft_iteration(
   )
   batch.pop("logprobs")
   multiple = sequence.row_multiple(spec.compute.attn_kernel)
-  batch = sequence.lay_out(batch, sequence.cp_size(spec.mesh), multiple=multiple)
+  batch = sequence.zigzag_order(batch, sequence.cp_size(spec.mesh), multiple=multiple)
   dstate = {**dstate, "key": jax.random.key_data(key)}
   return draft_train_step(dstate, params, batch, spec)

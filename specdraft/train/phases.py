@@ -211,7 +211,7 @@ class Context:
     # divide them (config.attention).
     self.layout = Layout.from_config(config.parallel)
     self.row_multiple = sequence.row_multiple(KernelSettings.from_config(config.get("attention")))
-    self._lay_out_jit = {}
+    self._jit_cache = {}
     self.rollouts = RolloutState.from_config(config.decode)
     os.makedirs(os.path.join(workdir, "plots"), exist_ok=True)
 
@@ -220,7 +220,7 @@ class Context:
     laid out (padded, zigzag order over cp) on the host and placed on the mesh."""
     keep = lambda b: {k: v for k, v in b.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
     laid = {
-      j: sequence.lay_out(keep(b), self.layout.cp, multiple=self.row_multiple)
+      j: sequence.zigzag_order(keep(b), self.layout.cp, multiple=self.row_multiple)
       for j, b in blocks.items()
     }
     first = next(iter(laid.values()))
@@ -235,11 +235,11 @@ class Context:
     """A training batch already on the mesh (rollouts) laid out there and resharded."""
     keep = {k: v for k, v in batch.items() if k in sequence.TOKEN_KEYS or k == "advantages"}
     key = tuple((k, v.shape) for k, v in sorted(keep.items()))
-    if key not in self._lay_out_jit:
-      lay = functools.partial(sequence.lay_out, cp=self.layout.cp, multiple=self.row_multiple)
+    if key not in self._jit_cache:
+      lay = functools.partial(sequence.zigzag_order, cp=self.layout.cp, multiple=self.row_multiple)
       out = sequence.batch_shardings(jax.eval_shape(lay, keep), self.layout.mesh, self.layout.rules)
-      self._lay_out_jit[key] = jax.jit(lay, out_shardings=out)
-    return self._lay_out_jit[key](keep)
+      self._jit_cache[key] = jax.jit(lay, out_shardings=out)
+    return self._jit_cache[key](keep)
 
   def prompt_stream(self, units: int, *, seed_offset: int, rows_per_unit: int = 1):
     """Endless shuffled prompt batches of the training split in data shards (a resumable
@@ -314,9 +314,9 @@ class Context:
       return params
     sh = self.layout.decode_shardings(jax.tree.map(lambda x: x.sharding, params))
     key = ("decode", jax.tree.structure(params))
-    if key not in self._lay_out_jit:
-      self._lay_out_jit[key] = jax.jit(lambda p: p, out_shardings=sh)
-    return self._lay_out_jit[key](params)
+    if key not in self._jit_cache:
+      self._jit_cache[key] = jax.jit(lambda p: p, out_shardings=sh)
+    return self._jit_cache[key](params)
 
   def cost_model(self, trainable) -> cost.CostModel:
     """The cost model of a rollout round, calibrated on first use at this run's rollout shapes

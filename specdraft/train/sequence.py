@@ -1,7 +1,7 @@
 """The training steps on sequence shards: one program for every context-parallel degree.
 
 Layout, once. A training batch is padded (segment 0, loss mask 0) to a multiple of 2·cp and put in
-zigzag order on the host, where the batch is built (`lay_out`): rank r of the 'cp' axis holds
+zigzag order on the host, where the batch is built (`zigzag_order`): rank r of the 'cp' axis holds
 chunks r and 2cp-1-r of every row, so causal work is balanced. At cp = 1 the zigzag order is the
 natural order; the single-device step is the same program on one shard.
 
@@ -55,7 +55,7 @@ TOKEN_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "logprobs")
 CHUNK_MULTIPLE = 32
 
 
-def lay_out(batch: dict, cp: int, *, multiple: int = 1) -> dict:
+def zigzag_order(batch: dict, cp: int, *, multiple: int = 1) -> dict:
   """The batch padded to a multiple of 2·cp·`multiple` tokens (chunks longer than 256 tokens to
   a multiple of CHUNK_MULTIPLE) and put in zigzag order (host).
 
@@ -104,18 +104,18 @@ def cp_size(mesh, axis: str = "cp") -> int:
 
 
 def row_multiple(kernel) -> int:
-  """`lay_out`'s `multiple` for the attention kernel `kernel` (None: the XLA tiles, any length
+  """`zigzag_order`'s `multiple` for the attention kernel `kernel` (None: the XLA tiles, any length
   serves; else `KernelSettings.row_multiple`)."""
   return 1 if kernel is None else kernel.row_multiple()
 
 
 def check_laid_out(batch, cp: int) -> None:
-  """Raises (before compiling) when the batch's length cannot be a zigzag layout over cp."""
+  """Raises (before compiling) when the batch's length cannot be put in zigzag order over cp."""
   S = batch["tokens"].shape[1]
   if S % (2 * cp):
     raise ValueError(
       f"batch length S={S} is not a multiple of 2*cp={2 * cp}: training batches must be laid out "
-      f"once with train.sequence.lay_out(batch, cp={cp}) (pads to {zigzag.padded_length(S, cp)} "
+      f"once with train.sequence.zigzag_order(batch, cp={cp}) (pads to {zigzag.padded_length(S, cp)} "
       "and puts the rows in zigzag order)"
     )
 
@@ -379,7 +379,7 @@ def cotrain_terms(spec, ops: ShardOps, theta, phi, h_BSE, taps_NBSE, batch, ref)
     eps_high=rl.eps_high,
     aggregation=rl.aggregation,
     max_tokens=rl.max_tokens if rl.max_tokens is not None else tok.shape[1] * ops.cp,
-    ref_logp_NS=ref_lp,
+    ref_logp_BS=ref_lp,
     beta=rl.beta,
     kl_estimator=rl.kl_estimator,
     row_sum=ops.rows,

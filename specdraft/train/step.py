@@ -51,7 +51,7 @@ def next_token_targets(batch):
 
 
 def sft_loss(params, batch, spec: StepSpec):
-  """Next-token cross-entropy on a batch laid out by `sequence.lay_out`, run by `sequence.run`
+  """Next-token cross-entropy on a batch laid out by `sequence.zigzag_order`, run by `sequence.run`
   under `spec` (on sequence shards over the mesh's 'cp' axis, or with `spec.pipeline` as a
   pipeline over its 'pp' axis with the loss on the last stage)."""
   return sequence.run(sequence.sft_terms, spec, (params, None, None), batch)
@@ -138,7 +138,7 @@ def cotrain_loss(trainable, batch, spec: StepSpec, ref=None):
 
   `trainable = {"policy": theta, "draft": phi}`; `batch` holds the rollout rows (tokens,
   positions, segment_ids, loss_mask on completion tokens, behaviour `logprobs`) laid out once by
-  `sequence.lay_out`, and per-row `advantages`. `spec.rl` holds the loss's settings; `ref` the
+  `sequence.zigzag_order`, and per-row `advantages`. `spec.rl` holds the loss's settings; `ref` the
   frozen reference policy of the KL term (used when spec.rl.beta > 0). `sequence.run` runs it:
   on sequence shards over the mesh's 'cp' axis (the policy trunk through the ring, vocabulary in
   chunks, the draft's branch attention on the same shards), or with `spec.pipeline` as a

@@ -92,7 +92,7 @@ class KernelSettings:
   def row_multiple(self) -> int:
     """What a row's local length must be a multiple of for this backend's tiles to divide it:
     1 in interpret mode (any divisor serves), else the larger tile (Triton and Mosaic tiles are
-    fixed powers of two; `sequence.lay_out(multiple=)` pads training rows to it)."""
+    fixed powers of two; `sequence.zigzag_order(multiple=)` pads training rows to it)."""
     backend = resolve_backend(self.backend)
     return 1 if backend == "interpret" else max(self.tiles(backend))
 
