@@ -52,7 +52,7 @@ def _goals(cases, speed_goal: bool):
     target=1.05,
     what="zigzag per-rank work max/mean, packed rows (worst seed)",
   )
-  # added with the per-document zigzag layout (fixed before its first run)
+  # added with the per-document zigzag order (fixed before its first run)
   g["document_zigzag_balanced_packed"] = dict(
     metric="summary.work.packed_document_max_over_mean",
     fixed="2026-11-30",

@@ -76,6 +76,9 @@ NOT_MEASURED = (
 )
 WHOLE_REPOSITORY = ("specdraft", "configs", "experiments", "tests", "scripts", ".ci", *ENVIRONMENT)
 MAKE_RUN = ("experiments/train.py", "configs/default.py")
+# Directories moved by a commit (new prefix, old prefix): a measured file's history before the
+# move is under its old path, so both are followed (a change made there is still a change).
+MOVED = (("experiments/bench/", "specdraft/bench/"),)
 
 
 def _module_file(root: str, module: str) -> str | None:
@@ -131,6 +134,7 @@ def measured_paths(results: dict, root: str) -> list[str]:
       return list(WHOLE_REPOSITORY)  # the CI steps: every file the suites and lint read
     entries += list(MAKE_RUN)
   files = (imported_files(root, entries) | set(entries)) - set(NOT_MEASURED)
+  files |= {old + f[len(new) :] for f in files for new, old in MOVED if f.startswith(new)}
   return sorted(files) + list(ENVIRONMENT)
 
 

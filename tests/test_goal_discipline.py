@@ -220,3 +220,41 @@ def test_a_figure_is_stale_once_the_code_it_measures_changed(tmp_path):
   ci = {"commit": results["commit"], "command": "python experiments/wall_times.py "
         "--config=configs/wall_times.py --workdir=w"}  # fmt: skip
   assert "tests" in readme.measured_paths(ci, str(tmp_path))
+
+
+def test_a_change_before_a_move_still_makes_a_figure_stale(tmp_path):
+  """The benchmark bodies moved from specdraft/bench to experiments/bench (results_doc.MOVED): a
+  results file written before the move, whose body changed and then moved, is stale from the
+  change, not from the move (its history is followed under the old path too)."""
+  from experiments import results_doc as readme
+
+  def git(*a):
+    out = subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+  def commit(message):
+    git("add", "-A")
+    git("commit", "-qm", message)
+    return git("rev-parse", "HEAD")
+
+  git("init", "-q")
+  git("config", "user.email", "t@t")
+  git("config", "user.name", "t")
+  for d in ("specdraft/bench", "experiments", "configs"):
+    os.makedirs(tmp_path / d)
+  for path in ("specdraft/__init__.py", "specdraft/bench/__init__.py", "experiments/__init__.py"):
+    (tmp_path / path).write_text("")
+  (tmp_path / "specdraft/bench/body.py").write_text("A = 1\n")
+  (tmp_path / "configs/exp.py").write_text("B = 1\n")
+  (tmp_path / "experiments/e.py").write_text("from specdraft.bench import body\n")
+  results = {
+    "commit": commit("start"),
+    "command": "python experiments/e.py --config=configs/exp.py",
+  }
+  (tmp_path / "specdraft/bench/body.py").write_text("A = 2\n")
+  changed = commit("the body changes")
+  git("mv", "specdraft/bench", "experiments/bench")
+  (tmp_path / "experiments/e.py").write_text("from experiments.bench import body\n")
+  moved = commit("the bodies move")
+  assert readme.first_change_since(results, str(tmp_path)) == changed != moved
+  assert "specdraft/bench/body.py" in readme.measured_paths(results, str(tmp_path))

@@ -382,8 +382,8 @@ def test_the_rl_state_shards_each_moment_like_its_parameter(tmp_path):
 
 def test_a_context_shares_run_data_only_with_a_config_that_agrees_on_it(smoke_config, tmp_path):
   """Context is built from parts (data, models, layout, rollouts); a benchmark's arms share one
-  RunData when their task and data fields agree (RunData.KEYS), and one built for another task
-  is refused before any work, naming both."""
+  RunData when they agree on what it is built from (RunData.KEYS and the tokenizer as the run
+  finds it), and one built for another task, data or tokenizer is refused before any work."""
   import copy
 
   from specdraft.train import phases
@@ -398,9 +398,31 @@ def test_a_context_shares_run_data_only_with_a_config_that_agrees_on_it(smoke_co
   ctx = loop.Context(arm, str(tmp_path / "arm"), data=shared)
   assert ctx.data is base.data and ctx.rollouts is not base.rollouts
   assert ctx.data.prompt_len == base.data.prompt_len
+  n = smoke_config.eval.num_examples
+  changes = {
+    "eval.num_examples": n + 1,
+    "data.data_dir": str(tmp_path / "elsewhere"),
+    "data.tokenizer": str(tmp_path / "tokenizer.json"),  # another tokenizer ...
+    "model.init_from": str(tmp_path / "hf"),  # ... or the one of a checkpoint
+    "data.chat_template": True,
+    "data.seq_len": smoke_config.data.seq_len + 8,
+  }
+  for path, value in changes.items():
+    other = copy.deepcopy(smoke_config)
+    section, field = path.split(".")
+    other[section][field] = value
+    assert base.data.shared_with(other) is None, path
+  for field in ("name", "seed", "num_train", "num_test", "arithmetic.max_digits"):  # the task's
+    other = copy.deepcopy(smoke_config)
+    *up, last = field.split(".")
+    where = other.task[up[0]] if up else other.task
+    v = where[last]
+    where[last] = "countdown" if field == "name" else v + 1
+    assert base.data.shared_with(other) is None, field
   other = copy.deepcopy(smoke_config)
-  other.eval.num_examples = smoke_config.eval.num_examples + 1
-  assert base.data.shared_with(other) is None
-  with pytest.raises(ValueError, match="eval.num_examples"):
+  other.eval.num_examples = n + 1
+  with pytest.raises(ValueError, match=f"eval.num_examples={n + 1}"):
     loop.Context(other, str(tmp_path / "other"), data=base.data)
-  assert isinstance(phases.RunData.key_of(other), str)
+  del other.sft["steps"]
+  with pytest.raises(ValueError, match="config.sft.steps is missing"):
+    phases.RunData.key_of(other)

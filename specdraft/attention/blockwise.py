@@ -5,7 +5,7 @@ ring (ring.py) runs its own in-place online softmax over the same mask.
 A block attends query rows to key rows under the mask
   same segment, segment != 0, and  k_pos + strict <= q_pos
 where `strict` is 0 for trunk and TTT-branch queries and 1 for block-branch queries (which see
-trunk keys s < t). Masks use only positions and segment ids, so they are exact under any layout.
+trunk keys s < t). Masks use only positions and segment ids, so they are exact in any token order.
 Empty rows give (0, -inf) and receive zero gradient.
 
 Shape letters: B batch, T query rows, S key rows, H heads, K kv heads, Q = H // K query heads

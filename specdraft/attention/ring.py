@@ -568,7 +568,7 @@ def ring_attention_shard(
 ):
   """Per-device ring trunk + local branch attention (call inside shard_map).
 
-  Local arrays in the ring's layout (zigzag for balance; any layout is exact): q [B,L,H,D],
+  Local arrays in the ring's token order (zigzag for balance; any order is exact): q [B,L,H,D],
   k/v [B,L,K,D], q_br [B,L,W,H,D], k_br/v_br [B,L,W,K,D], seg/pos [B,L] (global positions).
   Returns (out [B,L,H,D], out_br [B,L,W,H,D]) in the inputs' dtypes. `tile` is the number of
   query rows and of keys per tile. `custom_grad=False` differentiates the forward by autodiff (the

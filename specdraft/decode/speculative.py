@@ -595,7 +595,7 @@ def _take_in_pending(models: _Models, carry):
 
 def _block_prefill(models: _Models, prompt_BS, prompt_lengths_B, keys_B, *, O, M, sm: Sampling):
   """Policy over the prompt and its first token c; the prompt's taps become the draft's context
-  (positions 0 .. P-1, c's block anchored at P). The loop's initial carry."""
+  (positions 0 .. S-1, c's block anchored at S). The loop's initial carry."""
   taps, capacity, carry = _policy_prefill(
     models, prompt_BS, prompt_lengths_B, keys_B, O=O, M=M, sm=sm
   )

@@ -1,1 +1,1 @@
-"""Parallelism (model-agnostic): named layouts, meshes, zigzag CP layout, GPipe, TapChannel."""
+"""Parallelism (model-agnostic): named layouts, meshes, zigzag CP token order, GPipe, TapChannel."""

@@ -1,4 +1,4 @@
-"""Zigzag layout for context parallelism (layout only; knows nothing of models).
+"""Zigzag order for context parallelism (token order only; knows nothing of models).
 
 A row of length S (padded to a multiple of 2*cp with segment 0) is cut into 2*cp chunks; CP rank
 r holds chunks r and 2*cp-1-r, so causal attention work is balanced across ranks. The
@@ -59,7 +59,7 @@ def document_lengths(segment_ids_S) -> np.ndarray:
 
 
 def document_permutation(lengths, cp: int) -> np.ndarray:
-  """Indices `perm` with layout = natural[perm] for a row of consecutive documents of the given
+  """Indices `perm` with ordered = natural[perm] for a row of consecutive documents of the given
   lengths. Rank r holds chunk r of every document (in document order), then chunk 2cp-1-r of
   every document. Keeping the two halves apart keeps the balance at tile granularity: a tile of
   first halves on rank r sees the first halves of ranks <= r only, a tile of second halves sees

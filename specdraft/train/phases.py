@@ -59,11 +59,14 @@ class Models:
 class RunData:
   """The run's task and its data, built once from the config: the task, the tokenizer, the
   training split, the held-out examples and the prompt bound. It depends only on the fields of
-  `KEYS`, so runs whose configs agree there (a benchmark's arms) can share one (`Context(data=)`).
+  `KEYS` and the tokenizer (`key_of`), so runs whose configs agree there (a benchmark's arms) can
+  share one (`Context(data=)`).
   Process 0 generates the task's files (once per data_dir); the others then read them."""
 
-  # the config fields a RunData is built from (a shared one must agree on all of them)
-  KEYS = ("task", "tokenizer", "data.data_dir", "data.seq_len", "eval.num_examples", "sft.steps")
+  # the config fields a RunData is built from (a shared one must agree on all of them), besides
+  # the tokenizer (`tokenizer.tokenizer_path`: data.tokenizer, else model.init_from's, and
+  # data.chat_template), which `key_of` reads as the tokenizer does
+  KEYS = ("task", "data.data_dir", "data.seq_len", "eval.num_examples", "sft.steps")
 
   def __init__(self, config):
     tfds.disable_progress_bar()
@@ -89,12 +92,18 @@ class RunData:
 
   @classmethod
   def key_of(cls, config) -> str:
-    """The config fields of `KEYS`, as one string (two configs agreeing on it share data)."""
-    out = []
+    """What a RunData is built from, as one string (two configs agreeing on it share data): the
+    fields of `KEYS` (each must exist) and the tokenizer as `tokenizer.make_tokenizer` finds it."""
+    out = [
+      f"tokenizer={tok_lib.tokenizer_path(config)!r}",
+      f"chat_template={bool(config.data.get('chat_template', False))}",
+    ]
     for path in cls.KEYS:
       v = config
       for part in path.split("."):
-        v = v.get(part) if hasattr(v, "get") else None
+        if not hasattr(v, "get") or part not in v:
+          raise ValueError(f"config.{path} is missing: a run's data is built from it")
+        v = v[part]
       out.append(f"{path}={v.to_json() if hasattr(v, 'to_json') else v!r}")
     return "; ".join(out)
 
@@ -327,13 +336,13 @@ class Context:
       correct = c.decode.get("cost_correction", True)
       every = c.decode.get("auto_every", "round")
       rows = c.rl.prompts_per_step * c.rl.group_size
-      G, N = c.decode.num_draft, c.rl.max_new_tokens or c.decode.max_new_tokens
+      G, O = c.decode.num_draft, c.rl.max_new_tokens or c.decode.max_new_tokens
       grid = cost.Grid(
         rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
         tokens=tuple(sorted({1, (G + 2) // 2, G + 1})),
         round_rows=tuple(sorted({4**i for i in range(8) if 4**i < rows} | {rows})),
         round_G=tuple(sorted({max(1, (G + 1) // 2), G})),
-        capacity=self.data.prompt_len + N + G + 2,
+        capacity=self.data.prompt_len + O + G + 2,
         prompt_len=self.data.prompt_len,
         adaptive=correct and every == "round",  # a G per stage runs the fixed loop's rounds
         stage=correct and every == "stage",  # ... at every G, as its stages run them

@@ -1,9 +1,9 @@
 """The training steps on sequence shards: one program for every context-parallel degree.
 
-Layout, once. A training batch is padded (segment 0, loss mask 0) to a multiple of 2·cp and put in
-zigzag order on the host, where the batch is built (`zigzag_order`): rank r of the 'cp' axis holds
-chunks r and 2cp-1-r of every row, so causal work is balanced. At cp = 1 the zigzag order is the
-natural order; the single-device step is the same program on one shard.
+One order, once. A training batch is padded (segment 0, loss mask 0) to a multiple of 2·cp and
+put in zigzag order on the host, where the batch is built (`zigzag_order`): rank r of the 'cp'
+axis holds chunks r and 2cp-1-r of every row, so causal work is balanced. At cp = 1 the zigzag
+order is the natural order; the single-device step is the same program on one shard.
 
 The step, in place. With cp > 1 the whole loss runs inside one `shard_map` over 'cp' (partially
 manual: data, fsdp and tensor stay automatic), on the local chunks of every per-token array:
@@ -20,7 +20,7 @@ manual: data, fsdp and tensor stay automatic), on the local chunks of every per-
 - totals are psum-ed over 'cp'; the GRPO aggregations are built from per-row sums that are
   psum-ed per row, so every aggregation mode equals the single-device value.
 
-Nothing inside the step changes the layout. Shape letters: B batch, S (local) sequence, E width,
+Nothing inside the step changes the order. Shape letters: B batch, S (local) sequence, E width,
 N taps.
 """
 

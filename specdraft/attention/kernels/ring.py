@@ -9,7 +9,7 @@ backward (custom VJP) is a second ring pass: each step's block gradient comes fr
 (out, lse) (`flash.block_attention_bwd`: the softmax over all keys factorises through lse), dq
 sums on its rank in float32 and dk, dv travel with their key block, arriving home after the
 last step. Branch keys never leave the rank: the branch rows merge with their rank-local branch
-block as in the all-gather path. Masks come from positions and segment ids, so any row layout
+block as in the all-gather path. Masks come from positions and segment ids, so any row order
 (zigzag, per-document zigzag, contiguous) is exact; the kernels skip the tiles a step cannot see.
 
 Shape letters as in `attention/ring.py`: B batch, L local anchors, W branch width, R = 1 + W
