@@ -33,11 +33,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     grid_round_G=(2, 5),
     min_s=0.05,
     repeats=3,
+    # one fixed policy pass timed before the first calibration and after every calibration and
+    # validation: the host's own speed through the run (metrics.host_drift; a diagnostic)
+    metronome=dict(size="bench", rows=4),
   )
   if arg.smoke:
     c.bench.update(
       sizes=("micro",),
       held_out=dict(size="micro", fitted_on="micro"),
+      metronome=dict(size="micro", rows=4),
       new_tokens=8,
       rows=(1, 4),
       num_drafts=(0, 2),
@@ -52,6 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.bench.update(
       sizes=("base",),
       held_out=dict(size="small", fitted_on="base"),
+      metronome=dict(size="base", rows=4),
       new_tokens=64,
       rows=(1, 256),
       num_drafts=(0, 5),

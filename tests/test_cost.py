@@ -240,6 +240,26 @@ def test_the_bench_pairs_rounds_timed_twice():
   assert np.isnan(cost_model._max_abs([]))
 
 
+def test_the_bench_metronome_reads_the_hosts_drift_by_hand():
+  """bench_cost's Metronome: one fixed pass per tick, in order, labelled; drift = largest over
+  smallest - 1 (nan before two ticks); the table shows the ticks and the drift."""
+  from experiments.bench import cost_model
+
+  times = iter([1.0, 1.3, 1.1])
+  m = cost_model.Metronome(lambda: next(times))
+  assert np.isnan(m.drift())
+  assert m.tick("start") == 1.0
+  assert np.isnan(m.drift())
+  m.tick("a: calibrated")
+  m.tick("a: validated")
+  assert [t["label"] for t in m.ticks] == ["start", "a: calibrated", "a: validated"]
+  assert [t["seconds"] for t in m.ticks] == [1.0, 1.3, 1.1]
+  assert all(b["at_s"] >= a["at_s"] for a, b in zip(m.ticks, m.ticks[1:]))
+  assert m.drift() == pytest.approx(0.3)
+  text = cost_model.table({"sizes": {}, "metrics": {"host_drift": m.drift()}, "metronome": m.ticks})
+  assert "+30.0%" in text and "| a: calibrated |" in text and "1300.000" in text
+
+
 def test_the_bench_splits_corrected_errors_at_and_between_timed_rounds():
   """bench_cost's corrected prediction of a validated round: the calibration's measurement at a
   (rows, G) it timed (so the error there is the host's repeatability), the fit scaled by the

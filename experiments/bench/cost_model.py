@@ -10,6 +10,7 @@ coefficients fitted on another size, never timed for the fit. Results go through
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -27,6 +28,32 @@ def models(size_cfg, vocab: int, num_draft: int, seed: int = 0):
   return pcfg, dcfg, params, drafts.init_params(dcfg, seed + 1, params, pcfg)
 
 
+class Metronome:
+  """The host's own speed through a benchmark: one fixed program (a policy pass, `time_pass`'s)
+  timed at every `tick` (before the first calibration and after every calibration and
+  validation). The same program on the same inputs, so its ticks differ only by what the host
+  does to it: their spread (`drift`: largest over smallest - 1) is how far this host's speed
+  moved during the run, a floor under any point error a model of a round can be checked to when
+  its fit and its validation are timed minutes apart."""
+
+  def __init__(self, time_pass):
+    self._time_pass = time_pass  # () -> seconds of the fixed pass (the fastest of its repeats)
+    self._t0 = time.perf_counter()
+    self.ticks: list[dict] = []
+
+  def tick(self, label: str) -> float:
+    s = float(self._time_pass())
+    self.ticks.append({"label": label, "at_s": time.perf_counter() - self._t0, "seconds": s})
+    return s
+
+  def drift(self) -> float:
+    """Largest tick over smallest, minus 1 (nan with fewer than two ticks)."""
+    if len(self.ticks) < 2:
+      return float("nan")
+    ts = [t["seconds"] for t in self.ticks]
+    return max(ts) / min(ts) - 1.0
+
+
 def run(config, workdir: str) -> dict:
   """Calibrates on each of `bench.sizes`, validates rounds there and on `bench.held_out`."""
   from configs import default
@@ -34,6 +61,16 @@ def run(config, workdir: str) -> dict:
   provenance.check_workdir(workdir)
   b = config.bench
   fitted, sizes = {}, {}
+  beat = b.metronome  # the fixed pass the host's speed is read from through the run
+  beat_pcfg, _, beat_params, _ = models(
+    default.get_config(f"size={beat.size}"), b.vocab, max(b.num_drafts)
+  )
+  metronome = Metronome(
+    lambda: cost.time_policy_pass(
+      beat_params, beat_pcfg, beat.rows, 1, b.prompt_len + b.new_tokens, min_s=b.min_s
+    )
+  )
+  metronome.tick("start")
   for name in list(b.sizes) + [b.held_out.size]:
     size_cfg = default.get_config(f"size={name}")
     pcfg, dcfg, params, dparams = models(size_cfg, b.vocab, max(b.num_drafts))
@@ -48,6 +85,7 @@ def run(config, workdir: str) -> dict:
         prompt_len=b.prompt_len,
       )
       model, record = cost.calibrate(params, dparams, pcfg, dcfg, grid=grid, min_s=b.min_s)
+      metronome.tick(f"{name}: calibrated")
       fitted[name] = model.machine
       entry["calibration"] = record
       entry["max_abs_calibration_error"] = max(abs(p["rel_error"]) for p in record["points"])
@@ -65,6 +103,7 @@ def run(config, workdir: str) -> dict:
       new_tokens=b.new_tokens,
       repeats=b.repeats,
     )
+    metronome.tick(f"{name}: validated")
     for p in points:
       p["predicted"] = cost.predict(model, p)
       p["rel_error"] = p["predicted"] / p["seconds"] - 1.0
@@ -96,8 +135,10 @@ def run(config, workdir: str) -> dict:
     # a diagnostic, not a goal: how well this host repeats its own timings (see repeat_pairs)
     "timing_repeatability": {n: _max_abs(sizes[n]["repeats"]) for n in b.sizes},
     "max_timing_repeatability": _max_abs([q for n in b.sizes for q in sizes[n]["repeats"]]),
+    # a diagnostic, not a goal: the one fixed pass's speed through the run (Metronome)
+    "host_drift": metronome.drift(),
   }
-  results = {"metrics": metrics, "sizes": sizes}
+  results = {"metrics": metrics, "sizes": sizes, "metronome": metronome.ticks}
   return provenance.publish(
     workdir, results, b.goals, table=table, plot=plot, plot_name="cost_model.png"
   )
@@ -198,6 +239,17 @@ def table(results: dict) -> str:
         + ("-" if c is None else f"{c:+.1%}" + ("*" if p.get("timed_for_fit") else ""))
         + " |"
       )
+  ticks = results.get("metronome", [])
+  if ticks:
+    lines += [
+      "",
+      "One fixed policy pass timed through the run (the host's own speed; "
+      f"largest over smallest - 1: {results['metrics']['host_drift']:+.1%}).",
+      "",
+      "| when | at s | ms |",
+      "|---|---|---|",
+    ]
+    lines += [f"| {t['label']} | {t['at_s']:.0f} | {t['seconds'] * 1e3:.3f} |" for t in ticks]
   pairs = [(n, p) for n, e in results["sizes"].items() for p in e.get("repeats", [])]
   if pairs:
     lines += [
